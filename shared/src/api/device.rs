@@ -1,0 +1,172 @@
+//! The Device resource: one device hanging off one edge node.
+
+// Each `printcolumn(...)` repeats `type_ = ...`; clippy reads that as a
+// duplicated attribute.
+#![allow(clippy::duplicated_attributes)]
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+#[allow(unused_imports)] // used by the KubeSchema derive's generated code
+use kube::core::Rule;
+use kube::{CustomResource, KubeSchema};
+use serde::{Deserialize, Serialize};
+
+use crate::api::schema;
+use crate::property::PropertyValue;
+
+/// What a device should be: the node it hangs off, how it talks, the property
+/// values and firmware it should have. Owned by the cloud (people, rollouts).
+#[derive(CustomResource, KubeSchema, Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[kube(
+    group = "edgefleet.io",
+    version = "v1alpha1",
+    kind = "Device",
+    namespaced,
+    status = "DeviceStatus",
+    shortname = "dev",
+    category = "edgefleet",
+    doc = "A device at the edge: desired state goes down to it, its reported state comes back.",
+    printcolumn(
+        name = "Node",
+        type_ = "string",
+        json_path = ".spec.node",
+        description = "Edge node the device hangs off"
+    ),
+    printcolumn(name = "Model", type_ = "string", json_path = ".spec.model"),
+    printcolumn(
+        name = "Firmware",
+        type_ = "string",
+        json_path = ".status.firmwareVersion",
+        description = "Firmware the device reports running"
+    ),
+    printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    ),
+    printcolumn(
+        name = "Transport",
+        type_ = "string",
+        json_path = ".spec.transport",
+        priority = 1
+    ),
+    printcolumn(
+        name = "Applied",
+        type_ = "integer",
+        json_path = ".status.appliedGeneration",
+        priority = 1,
+        description = "Generation the device applied"
+    ),
+    selectable = ".spec.node"
+)]
+#[serde(rename_all = "camelCase")]
+pub struct DeviceSpec {
+    /// The Kubernetes node name of the edge node whose agent serves this device.
+    #[schemars(length(min = 1, max = 253), regex(pattern = schema::DNS_SUBDOMAIN))]
+    pub node: String,
+    /// The device model (for example `thermostat`); decides which properties
+    /// the device understands.
+    #[schemars(length(min = 1, max = 63), regex(pattern = schema::DNS_LABEL))]
+    pub model: String,
+    /// How the device talks to its agent.
+    pub transport: Transport,
+    /// Desired property values, by property name.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(schema_with = "schema::property_map")]
+    pub desired: BTreeMap<String, PropertyValue>,
+    /// The firmware the device should run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub firmware: Option<FirmwareSpec>,
+}
+
+/// The protocol a device speaks to its agent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Transport {
+    /// Reports over CoAP (UDP); desired state over MQTT.
+    Coap,
+    /// Reports and desired state over MQTT.
+    Mqtt,
+}
+
+/// Which firmware a device should run.
+#[derive(KubeSchema, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[x_kube(validation = Rule::new("!has(self.url) || has(self.sha256)").message("a firmware url needs a sha256, so the device can verify the image it downloads"))]
+#[serde(rename_all = "camelCase")]
+pub struct FirmwareSpec {
+    /// Semantic version of the image, like `1.4.2`.
+    #[schemars(length(max = 128))]
+    #[x_kube(validation = Rule::new(concat!("self.matches('", crate::semver_pattern!(), "')")).message("firmware version must be a semantic version like 1.4.2 (MAJOR.MINOR.PATCH, no leading 'v')"))]
+    pub version: String,
+    /// Where the device downloads the image (http or https).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 2048))]
+    #[x_kube(validation = Rule::new("isURL(self) && url(self).getScheme() in ['http', 'https']").message("url must be an absolute http or https URL"))]
+    pub url: Option<String>,
+    /// SHA-256 of the image as 64 lowercase hex digits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = r"^[0-9a-f]{64}$"))]
+    pub sha256: Option<String>,
+}
+
+/// What the edge says about a device. Written by the cloud controller from
+/// what the agent delivers and the device reports.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DeviceStatus {
+    /// The `metadata.generation` the controller has accepted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// The generation the agent has stored durably.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delivered_generation: Option<i64>,
+    /// The generation the device says it applied.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub applied_generation: Option<i64>,
+    /// The latest property values the device reported.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(schema_with = "schema::property_map")]
+    pub reported: BTreeMap<String, PropertyValue>,
+    /// The firmware the device reports running.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub firmware_version: Option<String>,
+    /// When the device was last heard from (coarse: not every report moves it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_seen: Option<Time>,
+    /// Delivered, Applied, Online, UpdateFailed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(schema_with = "schema::conditions")]
+    pub conditions: Vec<Condition>,
+    /// A one-word summary for people.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<DevicePhase>,
+}
+
+/// Where a device stands, in one word.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
+pub enum DevicePhase {
+    /// Accepted; not yet stored by the agent.
+    Pending,
+    /// The agent holds the current generation; the device has not applied it yet.
+    Delivered,
+    /// The device applied the current generation.
+    Applied,
+    /// The device failed to apply an update.
+    Failed,
+    /// The device's edge node is not connected.
+    Unreachable,
+}
+
+/// Condition types a Device carries.
+pub mod condition {
+    /// The agent holds the Device's current generation.
+    pub const DELIVERED: &str = "Delivered";
+    /// The device applied the Device's current generation.
+    pub const APPLIED: &str = "Applied";
+    /// The device is heard from.
+    pub const ONLINE: &str = "Online";
+    /// The last update failed on the device.
+    pub const UPDATE_FAILED: &str = "UpdateFailed";
+}

@@ -1,0 +1,20 @@
+//! The Kubernetes API of Edgefleet: custom resources in group `edgefleet.io`.
+
+pub mod device;
+pub mod edge_node;
+pub mod policy;
+pub mod schema;
+
+pub use device::{Device, DevicePhase, DeviceSpec, DeviceStatus, FirmwareSpec, Transport};
+pub use edge_node::{EdgeNode, EdgeNodeSpec, EdgeNodeStatus};
+
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::CustomResourceExt;
+
+/// The API group of every Edgefleet resource.
+pub const GROUP: &str = "edgefleet.io";
+
+/// Every custom resource definition Edgefleet installs, in a stable order.
+pub fn crds() -> Vec<CustomResourceDefinition> {
+    vec![Device::crd(), EdgeNode::crd()]
+}

@@ -1,0 +1,21 @@
+//! Edgefleet's shared contracts: what the cloud controller, the edge agent and
+//! the device simulator must agree on.
+//!
+//! - [`api`]: the custom resources (Device, EdgeNode) and their schemas;
+//! - [`proto`]: the sync protocol between cloud and agent (gRPC);
+//! - [`codec`]: the CBOR wire format between agent and devices;
+//! - [`version`], [`property`], [`key`]: the small value types all of them use.
+
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
+
+pub mod api;
+pub mod codec;
+pub mod key;
+pub mod property;
+pub mod proto;
+pub mod version;
+
+pub use key::{ResourceKey, ResourceKind};
+pub use property::PropertyValue;
+pub use version::{FirmwareVersion, ResourceVersion};

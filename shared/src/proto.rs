@@ -1,0 +1,104 @@
+//! The sync protocol (`edgefleet.v1`), generated from `proto/edgefleet/v1/sync.proto`,
+//! and the conversions between its messages and the shared value types.
+
+#[allow(missing_docs, clippy::all, clippy::pedantic)]
+mod generated {
+    tonic::include_proto!("edgefleet.v1");
+}
+
+pub use generated::*;
+
+use crate::property::PropertyValue as Value;
+use crate::version::ResourceVersion as Version;
+
+impl From<&Value> for PropertyValue {
+    fn from(v: &Value) -> Self {
+        let kind = match v {
+            Value::Bool(b) => property_value::Kind::BoolValue(*b),
+            Value::Int(i) => property_value::Kind::IntValue(*i),
+            Value::Float(f) => property_value::Kind::FloatValue(*f),
+            Value::String(s) => property_value::Kind::StringValue(s.clone()),
+        };
+        PropertyValue { kind: Some(kind) }
+    }
+}
+
+impl TryFrom<&PropertyValue> for Value {
+    type Error = MissingField;
+
+    fn try_from(v: &PropertyValue) -> Result<Self, Self::Error> {
+        Ok(
+            match v.kind.as_ref().ok_or(MissingField("PropertyValue.kind"))? {
+                property_value::Kind::BoolValue(b) => Value::Bool(*b),
+                property_value::Kind::IntValue(i) => Value::Int(*i),
+                property_value::Kind::FloatValue(f) => Value::Float(*f),
+                property_value::Kind::StringValue(s) => Value::String(s.clone()),
+            },
+        )
+    }
+}
+
+impl From<&Version> for ResourceVersion {
+    fn from(v: &Version) -> Self {
+        ResourceVersion {
+            uid: v.uid.clone(),
+            generation: v.generation,
+        }
+    }
+}
+
+impl From<&ResourceVersion> for Version {
+    fn from(v: &ResourceVersion) -> Self {
+        Version::new(v.uid.clone(), v.generation)
+    }
+}
+
+/// A protocol message lacks a field it must carry.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("protocol message lacks {0}")]
+pub struct MissingField(pub &'static str);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use prost::Message;
+
+    #[test]
+    fn property_values_survive_the_wire() {
+        for v in [
+            Value::Bool(false),
+            Value::Int(-7),
+            Value::Float(0.5),
+            Value::String("on".into()),
+        ] {
+            let bytes = PropertyValue::from(&v).encode_to_vec();
+            let back = PropertyValue::decode(bytes.as_slice()).unwrap();
+            assert_eq!(Value::try_from(&back).unwrap(), v);
+        }
+    }
+
+    #[test]
+    fn an_empty_property_value_is_an_error() {
+        assert_eq!(
+            Value::try_from(&PropertyValue { kind: None }),
+            Err(MissingField("PropertyValue.kind"))
+        );
+    }
+
+    #[test]
+    fn hello_carries_held_versions() {
+        let hello = AgentMessage {
+            kind: Some(agent_message::Kind::Hello(Hello {
+                node: "edge-1".into(),
+                agent_version: "0.1.0".into(),
+                boot_id: "b".into(),
+                held: vec![HeldResource {
+                    key: "device/ns/d1".into(),
+                    version: Some((&Version::new("u1", 3)).into()),
+                }],
+            })),
+        };
+        let back = AgentMessage::decode(hello.encode_to_vec().as_slice()).unwrap();
+        assert_eq!(back, hello);
+    }
+}

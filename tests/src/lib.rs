@@ -1,0 +1,306 @@
+//! Test harness: a real Kubernetes control plane for Edgefleet's tests.
+//!
+//! [`control_plane`] starts one upstream kube-apiserver with embedded etcd
+//! (built by `tests/controlplane/build.sh`) the first time a test asks for it,
+//! installs the Edgefleet CRDs and admission policy, and waits until they are
+//! in force. Every
+//! test then makes its own [`kube::Client`] (clients are tied to the tokio
+//! runtime that made them, and each `#[tokio::test]` has its own) and its own
+//! namespace with [`test_namespace`].
+//!
+//! Nothing outlives the test process: the control plane exits when its stdin
+//! closes, which the kernel does for us however this process ends, panics and
+//! `kill -9` included.
+
+#![forbid(unsafe_code)]
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Mutex, OnceLock, mpsc};
+use std::time::Duration;
+
+use anyhow::{Context, anyhow, bail};
+use edgefleet_shared::api::Device;
+use k8s_openapi::api::admissionregistration::v1::{
+    ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+};
+use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{DynamicObject, ObjectMeta, Patch, PatchParams, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::core::ApiResource;
+use kube::runtime::wait::{await_condition, conditions};
+use kube::{Api, Client, Config};
+
+/// Field manager the harness applies CRDs with.
+pub const FIELD_MANAGER: &str = "edgefleet-tests";
+
+const START_TIMEOUT: Duration = Duration::from_secs(120);
+const CRD_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A running local control plane.
+#[derive(Debug)]
+pub struct ControlPlane {
+    kubeconfig: PathBuf,
+    data_dir: PathBuf,
+    // Held only to keep the child's stdin open: dropping it (or this process
+    // ending) tells the control plane to shut down.
+    _stdin: Mutex<ChildStdin>,
+    _child: Mutex<Child>,
+}
+
+impl ControlPlane {
+    /// Path of a kubeconfig with cluster-admin rights on this control plane.
+    pub fn kubeconfig(&self) -> &Path {
+        &self.kubeconfig
+    }
+
+    /// Where etcd's data, the certificates and the control plane's log live.
+    pub fn data_dir(&self) -> &Path {
+        &self.data_dir
+    }
+
+    /// A new client for the calling test's tokio runtime.
+    pub async fn client(&self) -> Client {
+        let kubeconfig = Kubeconfig::read_from(&self.kubeconfig).expect("read kubeconfig");
+        let config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+            .await
+            .expect("load kubeconfig");
+        Client::try_from(config).expect("build client")
+    }
+}
+
+/// The control plane of this test process, started on first use.
+///
+/// Panics with the reason (and the tail of the control plane's log) if it
+/// cannot be started: every test that needs it fails loudly, none is skipped.
+pub fn control_plane() -> &'static ControlPlane {
+    static CONTROL_PLANE: OnceLock<Result<ControlPlane, String>> = OnceLock::new();
+    CONTROL_PLANE
+        .get_or_init(|| start().map_err(|e| format!("{e:#}")))
+        .as_ref()
+        .unwrap_or_else(|e| panic!("local control plane unavailable: {e}"))
+}
+
+/// Creates a fresh namespace for one test and returns its name.
+pub async fn test_namespace(client: &Client, hint: &str) -> String {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let sanitized: String = hint
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '-'
+            }
+        })
+        .take(40)
+        .collect();
+    let name = format!(
+        "{}-{}-{}",
+        sanitized.trim_matches('-'),
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    );
+    let ns = Namespace {
+        metadata: ObjectMeta {
+            name: Some(name.clone()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &ns)
+        .await
+        .expect("create test namespace");
+    name
+}
+
+fn start() -> anyhow::Result<ControlPlane> {
+    let binary = control_plane_binary()?;
+    let data_dir = fresh_data_dir()?;
+    let log_path = data_dir.join("controlplane.log");
+    let log = std::fs::File::create(&log_path)?;
+
+    let mut child = Command::new(&binary)
+        .arg("--data-dir")
+        .arg(&data_dir)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(log)
+        .spawn()
+        .with_context(|| format!("spawn {}", binary.display()))?;
+    let stdin = child.stdin.take().expect("piped stdin");
+    let stdout = child.stdout.take().expect("piped stdout");
+
+    let kubeconfig = match wait_ready(stdout) {
+        Ok(path) => path,
+        Err(e) => {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(e.context(format!("log tail:\n{}", tail(&log_path, 40))));
+        }
+    };
+
+    let control_plane = ControlPlane {
+        kubeconfig,
+        data_dir,
+        _stdin: Mutex::new(stdin),
+        _child: Mutex::new(child),
+    };
+    // The caller may be inside a tokio runtime, where blocking on another
+    // runtime panics: install the CRDs from a thread of our own.
+    let kubeconfig = control_plane.kubeconfig.clone();
+    std::thread::spawn(move || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?
+            .block_on(install_crds(&kubeconfig))
+    })
+    .join()
+    .map_err(|_| anyhow!("CRD installation panicked"))??;
+    Ok(control_plane)
+}
+
+/// The binary from `$EDGEFLEET_CONTROLPLANE_BIN`, or built (or found in the
+/// build cache) by `tests/controlplane/build.sh`.
+fn control_plane_binary() -> anyhow::Result<PathBuf> {
+    if let Some(path) = std::env::var_os("EDGEFLEET_CONTROLPLANE_BIN") {
+        return Ok(PathBuf::from(path));
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("controlplane/build.sh");
+    let out = Command::new("bash")
+        .arg(&script)
+        .stderr(Stdio::inherit())
+        .output()
+        .with_context(|| format!("run {}", script.display()))?;
+    if !out.status.success() {
+        bail!("{} failed ({})", script.display(), out.status);
+    }
+    Ok(PathBuf::from(String::from_utf8(out.stdout)?.trim()))
+}
+
+/// A new data directory named after this process. Directories left by
+/// earlier test processes that are gone are removed first.
+fn fresh_data_dir() -> anyhow::Result<PathBuf> {
+    let root = std::env::temp_dir().join("edgefleet-controlplane");
+    std::fs::create_dir_all(&root)?;
+    for entry in std::fs::read_dir(&root)?.flatten() {
+        let name = entry.file_name();
+        let pid = name.to_string_lossy().split('-').next().map(str::to_owned);
+        if let Some(pid) = pid
+            && !Path::new("/proc").join(&pid).exists()
+        {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+    let dir = root.join(format!(
+        "{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_nanos()
+    ));
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
+
+/// Waits for the control plane's `READY <kubeconfig>` line.
+fn wait_ready(stdout: impl Read + Send + 'static) -> anyhow::Result<PathBuf> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut lines = BufReader::new(stdout).lines();
+        let first = lines.next();
+        let _ = tx.send(first);
+        // Keep draining so the child never blocks on a full pipe.
+        for _ in lines {}
+    });
+    match rx.recv_timeout(START_TIMEOUT) {
+        Ok(Some(Ok(line))) => match line.strip_prefix("READY ") {
+            Some(path) => Ok(PathBuf::from(path.trim())),
+            None => bail!("control plane said {line:?} instead of READY"),
+        },
+        Ok(Some(Err(e))) => Err(e.into()),
+        Ok(None) | Err(mpsc::RecvTimeoutError::Disconnected) => {
+            bail!("control plane exited before it was ready")
+        }
+        Err(mpsc::RecvTimeoutError::Timeout) => {
+            bail!("control plane not ready after {START_TIMEOUT:?}")
+        }
+    }
+}
+
+/// Applies the CRDs and the Device admission policy, and waits until both
+/// are in force: the CRDs Established, the policy refusing a bad Device.
+async fn install_crds(kubeconfig: &Path) -> anyhow::Result<()> {
+    let kubeconfig = Kubeconfig::read_from(kubeconfig)?;
+    let config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default()).await?;
+    let client = Client::try_from(config)?;
+    let params = PatchParams::apply(FIELD_MANAGER).force();
+
+    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    for crd in edgefleet_shared::api::crds() {
+        let name = crd.metadata.name.clone().expect("CRDs are named");
+        api.patch(&name, &params, &Patch::Apply(&crd))
+            .await
+            .with_context(|| format!("apply CRD {name}"))?;
+        tokio::time::timeout(
+            CRD_TIMEOUT,
+            await_condition(api.clone(), &name, conditions::is_crd_established()),
+        )
+        .await
+        .with_context(|| format!("CRD {name} not Established after {CRD_TIMEOUT:?}"))??;
+    }
+
+    let policy = edgefleet_shared::api::policy::device_policy();
+    let binding = edgefleet_shared::api::policy::device_policy_binding();
+    let name = edgefleet_shared::api::policy::DEVICE_POLICY;
+    Api::<ValidatingAdmissionPolicy>::all(client.clone())
+        .patch(name, &params, &Patch::Apply(&policy))
+        .await
+        .context("apply the Device admission policy")?;
+    Api::<ValidatingAdmissionPolicyBinding>::all(client.clone())
+        .patch(name, &params, &Patch::Apply(&binding))
+        .await
+        .context("bind the Device admission policy")?;
+    tokio::time::timeout(CRD_TIMEOUT, await_policy_enforced(&client))
+        .await
+        .with_context(|| {
+            format!("the Device admission policy not enforced after {CRD_TIMEOUT:?}")
+        })?
+}
+
+/// Policies take effect asynchronously; probe with a dry-run create of a
+/// Device the policy must refuse until it does.
+async fn await_policy_enforced(client: &Client) -> anyhow::Result<()> {
+    let resource = ApiResource::erase::<Device>(&());
+    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), "default", &resource);
+    let probe = DynamicObject::new("policy-probe", &resource).data(serde_json::json!({
+        "spec": { "node": "probe", "model": "probe", "transport": "coap", "desired": { "x": [1] } }
+    }));
+    let dry_run = PostParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    loop {
+        match api.create(&dry_run, &probe).await {
+            Err(kube::Error::Api(status))
+                if status.message.contains("ValidatingAdmissionPolicy") =>
+            {
+                return Ok(());
+            }
+            Ok(_) | Err(kube::Error::Api(_)) => {
+                tokio::time::sleep(Duration::from_millis(200)).await
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+fn tail(path: &Path, lines: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
