@@ -140,7 +140,11 @@ fn start() -> anyhow::Result<ControlPlane> {
         Err(e) => {
             let _ = child.kill();
             let _ = child.wait();
-            return Err(e.context(format!("log tail:\n{}", tail(&log_path, 40))));
+            return Err(e.context(format!(
+                "control plane stderr:\n{}\nkube-apiserver log:\n{}",
+                tail(&log_path, 20),
+                tail(&data_dir.join("logs/kube-apiserver.log"), 20)
+            )));
         }
     };
 
