@@ -6,7 +6,7 @@ CARGO ?= cargo
 
 ## Build (or reuse) the local control plane, then run every test.
 test: controlplane
-	$(CARGO) test --workspace --locked
+	$(CARGO) test --workspace --locked --no-fail-fast
 
 ## Formatting and clippy, warnings as errors.
 lint:
