@@ -2,8 +2,6 @@
 
 #![forbid(unsafe_code)]
 
-mod crds;
-
 use clap::{Parser, Subcommand};
 
 #[derive(Debug, Parser)]
@@ -27,7 +25,7 @@ enum Command {
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
-        Command::Crds => print!("{}", crds::render()?),
+        Command::Crds => print!("{}", edgefleet_cloud::crds::render()?),
     }
     Ok(())
 }

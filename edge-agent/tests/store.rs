@@ -1,0 +1,157 @@
+//! The agent's store on a real disk: what it promises survives a reopen,
+//! reports compact per device, the outbox drains only on acknowledgement, and
+//! an unusable store is moved aside instead of stopping the agent.
+
+use std::collections::BTreeMap;
+
+use edgefleet_agent::store::{DesiredDevice, PendingUplink, Store};
+use edgefleet_shared::api::Transport;
+use edgefleet_shared::codec::DeviceReport;
+use edgefleet_shared::{PropertyValue, ResourceKey, ResourceVersion};
+
+fn thermostat(uid: &str, generation: i64, setpoint: f64) -> DesiredDevice {
+    DesiredDevice {
+        version: ResourceVersion::new(uid, generation),
+        model: "thermostat".into(),
+        transport: Transport::Coap,
+        properties: BTreeMap::from([("setpoint".to_owned(), PropertyValue::Float(setpoint))]),
+        firmware: None,
+    }
+}
+
+fn report(generation: i64, temperature: f64) -> DeviceReport {
+    DeviceReport {
+        applied_generation: generation,
+        properties: BTreeMap::from([("temperature".to_owned(), PropertyValue::Float(temperature))]),
+        firmware_version: Some("1.0.0".into()),
+    }
+}
+
+fn open(dir: &std::path::Path) -> Store {
+    let opened = Store::open(dir).unwrap();
+    assert!(opened.moved_aside.is_none(), "{:?}", opened.moved_aside);
+    opened.store
+}
+
+#[tokio::test]
+async fn desired_state_survives_a_reopen_and_removals_apply() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("store");
+    let a = ResourceKey::device("plant", "a");
+    let b = ResourceKey::device("plant", "b");
+    {
+        let store = open(&dir);
+        store
+            .apply(
+                &[
+                    (a.clone(), thermostat("ua", 1, 20.0)),
+                    (b.clone(), thermostat("ub", 4, 18.0)),
+                ],
+                &[],
+            )
+            .await
+            .unwrap();
+        store
+            .apply(&[(a.clone(), thermostat("ua", 2, 21.0))], &[b.clone()])
+            .await
+            .unwrap();
+    }
+    let store = open(&dir);
+    assert_eq!(
+        store.held().unwrap(),
+        vec![(a.clone(), ResourceVersion::new("ua", 2))]
+    );
+    assert_eq!(store.desired(&a).unwrap(), Some(thermostat("ua", 2, 21.0)));
+    assert_eq!(store.desired(&b).unwrap(), None);
+}
+
+#[tokio::test]
+async fn reports_compact_to_the_latest_per_device() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = open(&tmp.path().join("store"));
+    let a = ResourceKey::device("plant", "a");
+    let b = ResourceKey::device("plant", "b");
+
+    let s1 = store.record_report(&a, report(1, 20.0), 1).await.unwrap();
+    let s2 = store.record_report(&b, report(1, 30.0), 2).await.unwrap();
+    let s3 = store.record_report(&a, report(2, 20.5), 3).await.unwrap();
+    assert!(
+        s1 < s2 && s2 < s3,
+        "sequence numbers must increase: {s1} {s2} {s3}"
+    );
+
+    let pending = store.pending_uplink(0, 100).unwrap();
+    assert_eq!(store.outbox_depth(), 2);
+    let seqs: Vec<u64> = pending.iter().map(|(s, _)| *s).collect();
+    assert_eq!(seqs, vec![s2, s3], "a's first report was compacted away");
+    let PendingUplink::Report { device, latest } = &pending[1].1;
+    assert_eq!(device, &a);
+    assert_eq!(latest.report, report(2, 20.5));
+    assert_eq!(latest.received_at_ms, 3);
+}
+
+#[tokio::test]
+async fn the_outbox_drains_only_up_to_the_acknowledged_seq() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("store");
+    let last;
+    {
+        let store = open(&dir);
+        let mut seqs = Vec::new();
+        for i in 0..5 {
+            let key = ResourceKey::device("plant", format!("d{i}"));
+            seqs.push(
+                store
+                    .record_report(&key, report(1, i as f64), i)
+                    .await
+                    .unwrap(),
+            );
+        }
+        assert_eq!(store.acknowledge_uplink(seqs[2]).await.unwrap(), 3);
+        let left: Vec<u64> = store
+            .pending_uplink(0, 100)
+            .unwrap()
+            .iter()
+            .map(|(s, _)| *s)
+            .collect();
+        assert_eq!(left, seqs[3..].to_vec());
+        // Batches page through what is left.
+        let page = store.pending_uplink(seqs[3], 1).unwrap();
+        assert_eq!(page.len(), 1);
+        assert_eq!(page[0].0, seqs[4]);
+        last = seqs[4];
+    }
+    // After a restart the outbox is still there and sequence numbers never go back.
+    let store = open(&dir);
+    assert_eq!(store.outbox_depth(), 2);
+    let next = store
+        .record_report(&ResourceKey::device("plant", "d9"), report(1, 9.0), 9)
+        .await
+        .unwrap();
+    assert!(
+        next > last,
+        "seq {next} reused after restart (last was {last})"
+    );
+}
+
+#[tokio::test]
+async fn an_unreadable_store_is_moved_aside_and_replaced() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("store");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("conf"), b"this is not a sled config").unwrap();
+    std::fs::write(dir.join("db"), vec![0xa5; 4096]).unwrap();
+
+    let opened = Store::open(&dir).unwrap();
+    let (aside, reason) = opened.moved_aside.expect("the broken store is moved aside");
+    assert!(aside.exists(), "{}", aside.display());
+    assert!(!reason.is_empty());
+    // The new store works.
+    let key = ResourceKey::device("plant", "a");
+    opened
+        .store
+        .apply(&[(key.clone(), thermostat("u", 1, 20.0))], &[])
+        .await
+        .unwrap();
+    assert!(opened.store.desired(&key).unwrap().is_some());
+}
