@@ -52,7 +52,10 @@ async fn desired_state_survives_a_reopen_and_removals_apply() {
             .await
             .unwrap();
         store
-            .apply(&[(a.clone(), thermostat("ua", 2, 21.0))], &[b.clone()])
+            .apply(
+                &[(a.clone(), thermostat("ua", 2, 21.0))],
+                std::slice::from_ref(&b),
+            )
             .await
             .unwrap();
     }
