@@ -8,6 +8,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use edgefleet_shared::api::Transport;
 use edgefleet_shared::codec::{DeviceReport, FirmwareOrder};
@@ -15,6 +16,7 @@ use edgefleet_shared::{PropertyValue, ResourceKey, ResourceVersion};
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 use sled::Transactional;
 use sled::transaction::{ConflictableTransactionError, TransactionError};
+use tokio::sync::Notify;
 
 /// Bumped when the layout of stored values changes; a store with another
 /// version is moved aside and rebuilt from the cloud.
@@ -96,6 +98,8 @@ pub enum StoreError {
 /// The agent's store.
 #[derive(Clone, Debug)]
 pub struct Store {
+    // Woken whenever an entry joins the outbox, so the uplink needs no polling.
+    outbox_changed: Arc<Notify>,
     db: sled::Db,
     desired: sled::Tree,
     reported: sled::Tree,
@@ -151,6 +155,7 @@ impl Store {
             .map_err(|e| e.to_string())?;
         let tree = |name: &str| db.open_tree(name).map_err(|e| e.to_string());
         let store = Store {
+            outbox_changed: Arc::new(Notify::new()),
             desired: tree("desired")?,
             reported: tree("reported")?,
             outbox: tree("outbox")?,
@@ -260,7 +265,13 @@ impl Store {
             TransactionError::Storage(e) => StoreError::Sled(e),
         })?;
         self.db.flush_async().await?;
+        self.outbox_changed.notify_one();
         Ok(seq)
+    }
+
+    /// Resolves once an entry has joined the outbox since the last call.
+    pub async fn outbox_grew(&self) {
+        self.outbox_changed.notified().await;
     }
 
     /// The latest report of a device, if it ever reported.

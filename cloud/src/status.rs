@@ -1,0 +1,532 @@
+//! Device status writes, on a budget.
+//!
+//! Writing every report into status is how peers overload their API servers.
+//! Here every change goes through one writer that
+//! - coalesces per device: while a device waits for its turn, newer changes
+//!   merge into the one pending write;
+//! - writes only when a field people care about changed (reported values,
+//!   generations, firmware, phase, conditions; `lastSeen` at most once per
+//!   [`LAST_SEEN_RESOLUTION`]);
+//! - paces writes with a global rate limit.
+//!
+//! Each change can carry a completion: the sync session acknowledges an
+//! uplink sequence number to its agent only once the write that carries it
+//! succeeded (or turned out unnecessary).
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::num::NonZeroU32;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use edgefleet_shared::api::device::condition;
+use edgefleet_shared::api::{Device, DevicePhase, DeviceStatus};
+use edgefleet_shared::{PropertyValue, ResourceKey};
+use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Patch, PatchParams};
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::{Api, Client};
+use tokio::sync::{Notify, mpsc};
+
+/// The field manager of every status write the controller makes.
+pub const FIELD_MANAGER: &str = "edgefleet-cloud";
+
+/// `lastSeen` moves at most this often; on its own it never causes a write
+/// sooner.
+pub const LAST_SEEN_RESOLUTION: Duration = Duration::from_secs(60);
+
+/// A change to one Device's status.
+#[derive(Clone, Debug, PartialEq)]
+pub enum StatusChange {
+    /// The agent stored this generation durably.
+    Delivered {
+        /// The Device's uid the agent stored (a recreated Device has another).
+        uid: String,
+        /// The generation the agent stored.
+        generation: i64,
+    },
+    /// The device reported.
+    Reported {
+        /// Generation the device says it applied.
+        applied_generation: i64,
+        /// Its property values.
+        properties: BTreeMap<String, PropertyValue>,
+        /// Firmware it runs, if it said.
+        firmware_version: Option<String>,
+        /// When the agent received the report (Unix milliseconds).
+        received_at_ms: i64,
+    },
+}
+
+/// Told when the change with this uplink sequence number is durable (or
+/// needs no write).
+#[derive(Clone, Debug)]
+pub struct Completion {
+    /// The uplink sequence number the change came with.
+    pub seq: u64,
+    /// Where to say so.
+    pub notify: mpsc::UnboundedSender<u64>,
+}
+
+/// Counters of what the writer did.
+#[derive(Debug, Default)]
+pub struct StatusMetrics {
+    /// Status writes made.
+    pub writes: prometheus_client::metrics::counter::Counter,
+    /// Changes that needed no write: nothing people care about changed.
+    pub skipped: prometheus_client::metrics::counter::Counter,
+    /// Changes merged into a write already pending for the same device.
+    pub coalesced: prometheus_client::metrics::counter::Counter,
+    /// Writes that failed and were retried.
+    pub failures: prometheus_client::metrics::counter::Counter,
+    /// Changes for Devices that no longer exist.
+    pub gone: prometheus_client::metrics::counter::Counter,
+}
+
+#[derive(Debug, Default)]
+struct Pending {
+    changes: Vec<StatusChange>,
+    completions: Vec<Completion>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    queue: VecDeque<ResourceKey>,
+    pending: HashMap<ResourceKey, Pending>,
+    // The status as this manager last wrote it: the base of the next write.
+    written: HashMap<ResourceKey, DeviceStatus>,
+}
+
+/// The status writer. Cheap to clone; one [`StatusWriter::run`] task does
+/// the writing.
+#[derive(Clone, Debug)]
+pub struct StatusWriter {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    client: Client,
+    devices: Store<Device>,
+    state: Mutex<State>,
+    wake: Notify,
+    limiter: DefaultDirectRateLimiter,
+    metrics: StatusMetrics,
+}
+
+impl std::fmt::Debug for Inner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StatusWriter").finish_non_exhaustive()
+    }
+}
+
+impl StatusWriter {
+    /// A writer that makes at most `writes_per_second` status writes, reading
+    /// Devices' current state from the reflector `devices`.
+    pub fn new(client: Client, devices: Store<Device>, writes_per_second: NonZeroU32) -> Self {
+        StatusWriter {
+            inner: Arc::new(Inner {
+                client,
+                devices,
+                state: Mutex::default(),
+                wake: Notify::new(),
+                limiter: RateLimiter::direct(Quota::per_second(writes_per_second)),
+                metrics: StatusMetrics::default(),
+            }),
+        }
+    }
+
+    /// The writer's counters.
+    pub fn metrics(&self) -> &StatusMetrics {
+        &self.inner.metrics
+    }
+
+    /// Queues a change; `completion` is told once it is durable.
+    pub fn submit(
+        &self,
+        device: ResourceKey,
+        change: StatusChange,
+        completion: Option<Completion>,
+    ) {
+        let mut state = self.inner.state.lock().expect("status state");
+        let State { queue, pending, .. } = &mut *state;
+        let entry = pending.entry(device.clone()).or_insert_with(|| {
+            queue.push_back(device);
+            Pending::default()
+        });
+        if !entry.changes.is_empty() {
+            self.inner.metrics.coalesced.inc();
+        }
+        entry.changes.push(change);
+        entry.completions.extend(completion);
+        drop(state);
+        self.inner.wake.notify_one();
+    }
+
+    /// Writes until the process ends.
+    pub async fn run(self) {
+        loop {
+            let next = {
+                let mut state = self.inner.state.lock().expect("status state");
+                state.queue.pop_front().map(|key| {
+                    let pending = state.pending.remove(&key).unwrap_or_default();
+                    (key, pending)
+                })
+            };
+            let Some((key, pending)) = next else {
+                self.inner.wake.notified().await;
+                continue;
+            };
+            if let Err(pending) = self.write(&key, pending).await {
+                // Put it back at the end; newer changes merge into it.
+                self.inner.metrics.failures.inc();
+                self.requeue(key, pending);
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+    }
+
+    fn requeue(&self, key: ResourceKey, mut pending: Pending) {
+        let mut state = self.inner.state.lock().expect("status state");
+        let State {
+            queue,
+            pending: all,
+            ..
+        } = &mut *state;
+        match all.get_mut(&key) {
+            Some(newer) => {
+                pending.changes.append(&mut newer.changes);
+                pending.completions.append(&mut newer.completions);
+                *newer = pending;
+            }
+            None => {
+                queue.push_back(key.clone());
+                all.insert(key, pending);
+            }
+        }
+    }
+
+    async fn write(&self, key: &ResourceKey, pending: Pending) -> Result<(), Pending> {
+        let object = ObjectRef::<Device>::new(&key.name).within(&key.namespace);
+        let Some(device) = self.inner.devices.get(&object) else {
+            self.inner.metrics.gone.inc();
+            complete(&pending.completions);
+            return Ok(());
+        };
+        let base = {
+            let state = self.inner.state.lock().expect("status state");
+            state
+                .written
+                .get(key)
+                .cloned()
+                .unwrap_or_else(|| device.status.clone().unwrap_or_default())
+        };
+        let now = Timestamp::now();
+        let generation = device.metadata.generation.unwrap_or_default();
+        let uid = device.metadata.uid.clone().unwrap_or_default();
+        let next = next_status(&base, &pending.changes, &uid, generation, now);
+        if next == base {
+            self.inner.metrics.skipped.inc();
+            complete(&pending.completions);
+            return Ok(());
+        }
+
+        self.inner.limiter.until_ready().await;
+        let api: Api<Device> = Api::namespaced(self.inner.client.clone(), &key.namespace);
+        let patch = serde_json::json!({
+            "apiVersion": "edgefleet.io/v1alpha1",
+            "kind": "Device",
+            "status": next,
+        });
+        let params = PatchParams::apply(FIELD_MANAGER).force();
+        match api
+            .patch_status(&key.name, &params, &Patch::Apply(&patch))
+            .await
+        {
+            Ok(_) => {
+                self.inner.metrics.writes.inc();
+                self.inner
+                    .state
+                    .lock()
+                    .expect("status state")
+                    .written
+                    .insert(key.clone(), next);
+                complete(&pending.completions);
+                Ok(())
+            }
+            Err(kube::Error::Api(status)) if status.code == 404 => {
+                self.inner.metrics.gone.inc();
+                self.inner
+                    .state
+                    .lock()
+                    .expect("status state")
+                    .written
+                    .remove(key);
+                complete(&pending.completions);
+                Ok(())
+            }
+            Err(error) => {
+                tracing::warn!(device = %key, %error, "status write failed; will retry");
+                Err(pending)
+            }
+        }
+    }
+
+    /// Forgets a deleted Device.
+    pub fn forget(&self, key: &ResourceKey) {
+        self.inner
+            .state
+            .lock()
+            .expect("status state")
+            .written
+            .remove(key);
+    }
+}
+
+fn complete(completions: &[Completion]) {
+    for c in completions {
+        // A session that ended no longer needs to know.
+        let _ = c.notify.send(c.seq);
+    }
+}
+
+/// The status after `changes`, for a Device at `generation` with `uid`.
+/// Pure, so the rules of what changes when are tested without an API server.
+pub fn next_status(
+    base: &DeviceStatus,
+    changes: &[StatusChange],
+    uid: &str,
+    generation: i64,
+    now: Timestamp,
+) -> DeviceStatus {
+    let mut next = base.clone();
+    for change in changes {
+        match change {
+            StatusChange::Delivered {
+                uid: stored,
+                generation: g,
+            } => {
+                if stored == uid && next.delivered_generation.is_none_or(|d| d < *g) {
+                    next.delivered_generation = Some(*g);
+                }
+            }
+            StatusChange::Reported {
+                applied_generation,
+                properties,
+                firmware_version,
+                received_at_ms,
+            } => {
+                next.applied_generation = Some(*applied_generation);
+                next.reported = properties.clone();
+                if firmware_version.is_some() {
+                    next.firmware_version = firmware_version.clone();
+                }
+                let seen = Timestamp::from_millisecond(*received_at_ms).unwrap_or(now);
+                let stale = next.last_seen.as_ref().is_none_or(|t| {
+                    seen.duration_since(t.0).unsigned_abs() >= LAST_SEEN_RESOLUTION
+                });
+                if stale {
+                    next.last_seen = Some(Time(seen));
+                }
+            }
+        }
+    }
+
+    let delivered = next.delivered_generation.is_some_and(|d| d >= generation);
+    let applied = next.applied_generation.is_some_and(|a| a >= generation);
+    let online = next.last_seen.is_some();
+    next.phase = Some(if applied {
+        DevicePhase::Applied
+    } else if delivered {
+        DevicePhase::Delivered
+    } else {
+        DevicePhase::Pending
+    });
+    set_condition(
+        &mut next.conditions,
+        condition::DELIVERED,
+        delivered,
+        if delivered {
+            "StoredAtEdge"
+        } else {
+            "NotYetDelivered"
+        },
+        &format!(
+            "the agent holds generation {}",
+            next.delivered_generation.unwrap_or(0)
+        ),
+        generation,
+        now,
+    );
+    set_condition(
+        &mut next.conditions,
+        condition::APPLIED,
+        applied,
+        if applied {
+            "DeviceApplied"
+        } else {
+            "NotYetApplied"
+        },
+        &format!(
+            "the device applied generation {}",
+            next.applied_generation.unwrap_or(0)
+        ),
+        generation,
+        now,
+    );
+    if online {
+        set_condition(
+            &mut next.conditions,
+            condition::ONLINE,
+            true,
+            "Reporting",
+            "the device reports",
+            generation,
+            now,
+        );
+    }
+    next
+}
+
+fn set_condition(
+    conditions: &mut Vec<Condition>,
+    type_: &str,
+    value: bool,
+    reason: &str,
+    message: &str,
+    generation: i64,
+    now: Timestamp,
+) {
+    let status = if value { "True" } else { "False" };
+    let wanted = Condition {
+        type_: type_.to_owned(),
+        status: status.to_owned(),
+        reason: reason.to_owned(),
+        message: message.to_owned(),
+        observed_generation: Some(generation),
+        last_transition_time: Time(now),
+    };
+    match conditions.iter_mut().find(|c| c.type_ == type_) {
+        Some(c) if c.status == status => {
+            // Same state: keep the transition time, refresh the rest.
+            c.reason = wanted.reason;
+            c.message = wanted.message;
+            c.observed_generation = wanted.observed_generation;
+        }
+        Some(c) => *c = wanted,
+        None => conditions.push(wanted),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(ms: i64) -> Timestamp {
+        Timestamp::from_millisecond(ms).unwrap()
+    }
+
+    fn report(applied: i64, temperature: f64, ms: i64) -> StatusChange {
+        StatusChange::Reported {
+            applied_generation: applied,
+            properties: BTreeMap::from([(
+                "temperature".to_owned(),
+                PropertyValue::Float(temperature),
+            )]),
+            firmware_version: Some("1.0.0".into()),
+            received_at_ms: ms,
+        }
+    }
+
+    #[test]
+    fn the_pipeline_moves_pending_delivered_applied() {
+        let s0 = next_status(&DeviceStatus::default(), &[], "u", 2, at(0));
+        assert_eq!(s0.phase, Some(DevicePhase::Pending));
+        let s1 = next_status(
+            &s0,
+            &[StatusChange::Delivered {
+                uid: "u".into(),
+                generation: 2,
+            }],
+            "u",
+            2,
+            at(1),
+        );
+        assert_eq!(s1.phase, Some(DevicePhase::Delivered));
+        assert_eq!(s1.delivered_generation, Some(2));
+        let s2 = next_status(&s1, &[report(2, 20.0, 2)], "u", 2, at(2));
+        assert_eq!(s2.phase, Some(DevicePhase::Applied));
+        let applied = s2.conditions.iter().find(|c| c.type_ == "Applied").unwrap();
+        assert_eq!(applied.status, "True");
+        assert_eq!(applied.observed_generation, Some(2));
+    }
+
+    #[test]
+    fn a_delivery_of_a_deleted_and_recreated_device_does_not_count() {
+        let s = next_status(
+            &DeviceStatus::default(),
+            &[StatusChange::Delivered {
+                uid: "old".into(),
+                generation: 5,
+            }],
+            "new",
+            1,
+            at(0),
+        );
+        assert_eq!(s.delivered_generation, None);
+    }
+
+    #[test]
+    fn a_repeated_report_within_the_resolution_changes_nothing() {
+        let s1 = next_status(
+            &DeviceStatus::default(),
+            &[report(1, 20.0, 1_000)],
+            "u",
+            1,
+            at(1_000),
+        );
+        let s2 = next_status(&s1, &[report(1, 20.0, 30_000)], "u", 1, at(30_000));
+        assert_eq!(s1, s2, "no field people care about changed");
+        let s3 = next_status(&s1, &[report(1, 20.0, 61_000)], "u", 1, at(61_000));
+        assert_ne!(
+            s1.last_seen, s3.last_seen,
+            "lastSeen moves after the resolution"
+        );
+        let s4 = next_status(&s1, &[report(1, 20.5, 2_000)], "u", 1, at(2_000));
+        assert_ne!(s1, s4, "a new value is written at once");
+    }
+
+    #[test]
+    fn coalesced_reports_end_at_the_latest() {
+        let s = next_status(
+            &DeviceStatus::default(),
+            &[report(1, 20.0, 1), report(1, 21.0, 2), report(2, 22.0, 3)],
+            "u",
+            2,
+            at(3),
+        );
+        assert_eq!(s.reported["temperature"], PropertyValue::Float(22.0));
+        assert_eq!(s.applied_generation, Some(2));
+    }
+
+    #[test]
+    fn a_condition_keeps_its_transition_time_while_unchanged() {
+        let s1 = next_status(
+            &DeviceStatus::default(),
+            &[report(1, 20.0, 1)],
+            "u",
+            1,
+            at(1_000),
+        );
+        let s2 = next_status(&s1, &[report(1, 21.0, 5_000)], "u", 1, at(5_000));
+        let t = |s: &DeviceStatus| {
+            s.conditions
+                .iter()
+                .find(|c| c.type_ == "Applied")
+                .unwrap()
+                .last_transition_time
+                .clone()
+        };
+        assert_eq!(t(&s1), t(&s2));
+    }
+}

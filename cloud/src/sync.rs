@@ -1,0 +1,396 @@
+//! The sync server: one bidirectional stream per agent (`edgefleet.v1.Sync`).
+//!
+//! A session starts with the agent's Hello, answers it with the difference
+//! between what the agent holds and its node's slice of the index, then sends
+//! each later change as another difference. Reports go to the status writer;
+//! an uplink sequence number is acknowledged only once every entry up to it is
+//! durable in the API server.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use edgefleet_shared::proto::{self, agent_message, cloud_message, resource, uplink_entry};
+use edgefleet_shared::{ResourceKey, ResourceVersion};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::index::{Index, NodeSlice, difference};
+use crate::status::{Completion, StatusChange, StatusWriter};
+
+/// Most resources in one Update, so one message stays small.
+pub const MAX_RESOURCES_PER_UPDATE: usize = 256;
+
+/// How often the cloud sends a heartbeat on an idle stream.
+pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Counters of the sync server.
+#[derive(Debug, Default)]
+pub struct SyncMetrics {
+    /// Open agent streams.
+    pub streams: Gauge,
+    /// Updates sent.
+    pub updates: Counter,
+    /// Resources sent in Updates.
+    pub resources_sent: Counter,
+    /// Uplink entries received.
+    pub uplink_entries: Counter,
+    /// What was refused, by reason.
+    pub refused: Family<Vec<(String, String)>, Counter>,
+    /// Nacks received.
+    pub nacks: Counter,
+}
+
+impl SyncMetrics {
+    fn refuse(&self, reason: &str) {
+        self.refused
+            .get_or_create(&vec![("reason".to_owned(), reason.to_owned())])
+            .inc();
+    }
+}
+
+/// The gRPC service.
+#[derive(Clone, Debug)]
+pub struct SyncService {
+    index: Arc<Index>,
+    status: StatusWriter,
+    metrics: Arc<SyncMetrics>,
+}
+
+impl SyncService {
+    /// A service serving `index` and writing reports through `status`.
+    pub fn new(index: Arc<Index>, status: StatusWriter, metrics: Arc<SyncMetrics>) -> Self {
+        SyncService {
+            index,
+            status,
+            metrics,
+        }
+    }
+}
+
+type Outbound = mpsc::Sender<Result<proto::CloudMessage, Status>>;
+
+#[tonic::async_trait]
+impl proto::sync_server::Sync for SyncService {
+    type StreamStream = ReceiverStream<Result<proto::CloudMessage, Status>>;
+
+    async fn stream(
+        &self,
+        request: Request<Streaming<proto::AgentMessage>>,
+    ) -> Result<Response<Self::StreamStream>, Status> {
+        let mut inbound = request.into_inner();
+        let hello = match inbound.message().await? {
+            Some(proto::AgentMessage {
+                kind: Some(agent_message::Kind::Hello(hello)),
+            }) => hello,
+            _ => {
+                self.metrics.refuse("no_hello");
+                return Err(Status::invalid_argument(
+                    "the first message must be a Hello",
+                ));
+            }
+        };
+        if !is_node_name(&hello.node) {
+            self.metrics.refuse("bad_node_name");
+            return Err(Status::invalid_argument(format!(
+                "node name {:?} is not a Kubernetes node name",
+                hello.node
+            )));
+        }
+        let mut held = BTreeMap::new();
+        for h in &hello.held {
+            let key: ResourceKey = h.key.parse().map_err(|e| {
+                self.metrics.refuse("bad_held_key");
+                Status::invalid_argument(format!("Hello from {}: {e}", hello.node))
+            })?;
+            let version = h.version.as_ref().ok_or_else(|| {
+                Status::invalid_argument(format!("Hello from {}: {key} has no version", hello.node))
+            })?;
+            held.insert(key, version.into());
+        }
+        tracing::info!(node = %hello.node, agent = %hello.agent_version, boot = %hello.boot_id, held = held.len(), "agent connected");
+
+        let (tx, rx) = mpsc::channel(16);
+        let session = Session {
+            desired: self.index.subscribe(&hello.node),
+            node: hello.node,
+            sent: held,
+            in_flight: HashMap::new(),
+            next_nonce: 1,
+            uplink: UplinkWatermark::default(),
+            status: self.status.clone(),
+            metrics: Arc::clone(&self.metrics),
+        };
+        tokio::spawn(session.run(inbound, tx));
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// A Kubernetes node name: a DNS-1123 subdomain.
+fn is_node_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 253
+        && name.split('.').all(|label| {
+            !label.is_empty()
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+        })
+}
+
+struct Session {
+    node: String,
+    desired: watch::Receiver<NodeSlice>,
+    // What the agent holds once every Update sent so far is applied.
+    sent: BTreeMap<ResourceKey, ResourceVersion>,
+    // Versions carried by each unacknowledged Update, by nonce.
+    in_flight: HashMap<String, Vec<(ResourceKey, ResourceVersion)>>,
+    next_nonce: u64,
+    uplink: UplinkWatermark,
+    status: StatusWriter,
+    metrics: Arc<SyncMetrics>,
+}
+
+impl Session {
+    async fn run(mut self, mut inbound: Streaming<proto::AgentMessage>, tx: Outbound) {
+        self.metrics.streams.inc();
+        let (done_tx, mut done_rx) = mpsc::unbounded_channel();
+        let mut heartbeat = tokio::time::interval(HEARTBEAT_INTERVAL);
+        let result: Result<(), String> = async {
+            self.desired.mark_changed();
+            loop {
+                tokio::select! {
+                    changed = self.desired.changed() => {
+                        changed.map_err(|_| "index closed".to_owned())?;
+                        self.send_difference(&tx).await?;
+                    }
+                    message = inbound.message() => match message {
+                        Ok(Some(message)) => self.handle(message, &done_tx)?,
+                        Ok(None) => return Ok(()),
+                        Err(status) => return Err(format!("stream error: {status}")),
+                    },
+                    Some(seq) = done_rx.recv() => {
+                        if let Some(ack) = self.uplink.complete(seq) {
+                            send(&tx, cloud_message::Kind::UplinkAck(proto::UplinkAck { seq: ack })).await?;
+                        }
+                    }
+                    _ = heartbeat.tick() => {
+                        let beat = proto::Heartbeat { sent_at_ms: now_ms(), ..Default::default() };
+                        send(&tx, cloud_message::Kind::Heartbeat(beat)).await?;
+                    }
+                }
+            }
+        }
+        .await;
+        self.metrics.streams.dec();
+        match result {
+            Ok(()) => tracing::info!(node = %self.node, "agent disconnected"),
+            Err(reason) => tracing::warn!(node = %self.node, %reason, "agent stream ended"),
+        }
+    }
+
+    async fn send_difference(&mut self, tx: &Outbound) -> Result<(), String> {
+        let slice = self.desired.borrow_and_update().clone();
+        let diff = difference(&slice, &self.sent);
+        let mut removals = diff.removals.into_iter().peekable();
+        let mut upserts = diff.upserts.into_iter().peekable();
+        while upserts.peek().is_some() || removals.peek().is_some() {
+            let nonce = self.next_nonce.to_string();
+            self.next_nonce += 1;
+            let mut update = proto::Update {
+                nonce: nonce.clone(),
+                ..Default::default()
+            };
+            let mut versions = Vec::new();
+            for key in removals.by_ref().take(MAX_RESOURCES_PER_UPDATE) {
+                self.sent.remove(&key);
+                update.removals.push(key.to_string());
+            }
+            let room = MAX_RESOURCES_PER_UPDATE.saturating_sub(update.removals.len());
+            for (key, entry) in upserts.by_ref().take(room) {
+                update.upserts.push(proto::Resource {
+                    key: key.to_string(),
+                    version: Some((&entry.version).into()),
+                    body: Some(resource::Body::Device(entry.desired.clone())),
+                });
+                self.sent.insert(key.clone(), entry.version.clone());
+                versions.push((key, entry.version.clone()));
+            }
+            self.metrics.updates.inc();
+            self.metrics
+                .resources_sent
+                .inc_by(update.upserts.len() as u64);
+            self.in_flight.insert(nonce, versions);
+            send(tx, cloud_message::Kind::Update(update)).await?;
+        }
+        Ok(())
+    }
+
+    fn handle(
+        &mut self,
+        message: proto::AgentMessage,
+        done: &mpsc::UnboundedSender<u64>,
+    ) -> Result<(), String> {
+        match message.kind {
+            Some(agent_message::Kind::Ack(ack)) => {
+                for (key, version) in self.in_flight.remove(&ack.nonce).unwrap_or_default() {
+                    let change = StatusChange::Delivered {
+                        uid: version.uid,
+                        generation: version.generation,
+                    };
+                    self.status.submit(key, change, None);
+                }
+            }
+            Some(agent_message::Kind::Nack(nack)) => {
+                self.metrics.nacks.inc();
+                self.in_flight.remove(&nack.nonce);
+                for rejected in nack.rejected {
+                    tracing::warn!(node = %self.node, key = %rejected.key, reason = %rejected.reason, "agent refused a resource");
+                }
+            }
+            Some(agent_message::Kind::Uplink(uplink)) => {
+                for entry in uplink.entries {
+                    self.metrics.uplink_entries.inc();
+                    self.uplink.received(entry.seq);
+                    let completion = Completion {
+                        seq: entry.seq,
+                        notify: done.clone(),
+                    };
+                    match self.accept(entry) {
+                        Ok((key, change)) => self.status.submit(key, change, Some(completion)),
+                        Err(reason) => {
+                            // Refused for good: acknowledge it so the agent
+                            // does not resend it forever.
+                            self.metrics.refuse(reason);
+                            let _ = done.send(completion.seq);
+                        }
+                    }
+                }
+            }
+            Some(agent_message::Kind::Heartbeat(_)) => {}
+            Some(agent_message::Kind::Hello(_)) => return Err("a second Hello".into()),
+            None => self.metrics.refuse("empty_message"),
+        }
+        Ok(())
+    }
+
+    /// Checks one uplink entry: a report for a device of this node.
+    fn accept(
+        &self,
+        entry: proto::UplinkEntry,
+    ) -> Result<(ResourceKey, StatusChange), &'static str> {
+        let Some(uplink_entry::Body::Report(report)) = entry.body else {
+            return Err("unsupported_uplink");
+        };
+        let key: ResourceKey = report.device_key.parse().map_err(|_| "bad_device_key")?;
+        if !self.desired.borrow().contains_key(&key) {
+            tracing::warn!(node = %self.node, device = %key, seq = entry.seq, "report for a device that is not on this node");
+            return Err("unknown_device");
+        }
+        let properties = report
+            .properties
+            .iter()
+            .map(|(k, v)| Ok((k.clone(), v.try_into()?)))
+            .collect::<Result<_, edgefleet_shared::proto::MissingField>>()
+            .map_err(|_| "bad_property")?;
+        Ok((
+            key,
+            StatusChange::Reported {
+                applied_generation: report.applied_generation,
+                properties,
+                firmware_version: (!report.firmware_version.is_empty())
+                    .then_some(report.firmware_version),
+                received_at_ms: report.received_at_ms,
+            },
+        ))
+    }
+}
+
+async fn send(tx: &Outbound, kind: cloud_message::Kind) -> Result<(), String> {
+    tx.send(Ok(proto::CloudMessage { kind: Some(kind) }))
+        .await
+        .map_err(|_| "agent went away".to_owned())
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or_default()
+}
+
+/// Which uplink sequence number may be acknowledged: the highest one with
+/// every entry at or below it durable.
+#[derive(Debug, Default)]
+pub struct UplinkWatermark {
+    outstanding: BTreeSet<u64>,
+    highest: u64,
+    acked: u64,
+}
+
+impl UplinkWatermark {
+    /// An entry arrived.
+    pub fn received(&mut self, seq: u64) {
+        if seq > self.acked {
+            self.outstanding.insert(seq);
+            self.highest = self.highest.max(seq);
+        }
+    }
+
+    /// An entry is durable. Returns the new acknowledgement, if it moved.
+    pub fn complete(&mut self, seq: u64) -> Option<u64> {
+        self.outstanding.remove(&seq);
+        let watermark = match self.outstanding.first() {
+            Some(first) => first - 1,
+            None => self.highest,
+        };
+        (watermark > self.acked).then(|| {
+            self.acked = watermark;
+            watermark
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_watermark_waits_for_the_oldest_outstanding_entry() {
+        let mut w = UplinkWatermark::default();
+        for seq in [3, 5, 8] {
+            w.received(seq);
+        }
+        assert_eq!(w.complete(5), Some(2), "3 is still outstanding");
+        assert_eq!(w.complete(8), None);
+        assert_eq!(w.complete(3), Some(8));
+        w.received(2); // a stale resend below the acknowledgement
+        assert_eq!(w.complete(2), None);
+        w.received(9);
+        assert_eq!(w.complete(9), Some(9));
+    }
+
+    #[test]
+    fn node_names_follow_kubernetes() {
+        for ok in ["edge-1", "a", "site-a.line-2", "x1"] {
+            assert!(is_node_name(ok), "{ok}");
+        }
+        for bad in [
+            "",
+            "Edge",
+            "edge_1",
+            "-edge",
+            "edge-",
+            "a..b",
+            &"a".repeat(254),
+        ] {
+            assert!(!is_node_name(bad), "{bad}");
+        }
+    }
+}

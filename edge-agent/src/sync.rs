@@ -1,0 +1,280 @@
+//! The sync client: dials the cloud, says what the store holds, applies
+//! updates durably before acknowledging them, and sends the outbox up.
+//!
+//! The connection is retried forever with exponential backoff and jitter; the
+//! store keeps the agent working in between.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use backon::{BackoffBuilder, ExponentialBuilder};
+use edgefleet_shared::api::Transport;
+use edgefleet_shared::codec::FirmwareOrder;
+use edgefleet_shared::proto::{self, agent_message, cloud_message, resource, uplink_entry};
+use edgefleet_shared::{PropertyValue, ResourceKey};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+use crate::store::{DesiredDevice, PendingUplink, Store, StoreError};
+
+/// Most outbox entries in one Uplink message.
+pub const UPLINK_BATCH: usize = 256;
+
+/// How often the agent sends a heartbeat.
+pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Who this agent is and where the cloud is.
+#[derive(Clone, Debug)]
+pub struct SyncSettings {
+    /// The cloud's sync endpoint, like `http://127.0.0.1:7443`.
+    pub cloud: String,
+    /// This node's Kubernetes name.
+    pub node: String,
+    /// This agent's version.
+    pub agent_version: String,
+    /// Changes on every start.
+    pub boot_id: String,
+}
+
+/// Why a session ended.
+#[derive(Debug, thiserror::Error)]
+pub enum SyncError {
+    /// Could not connect.
+    #[error("connect to {endpoint}: {source}")]
+    Connect {
+        /// Where.
+        endpoint: String,
+        /// Why.
+        source: tonic::transport::Error,
+    },
+    /// The cloud refused or broke the stream.
+    #[error("sync stream: {0}")]
+    Stream(#[from] tonic::Status),
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The outgoing half closed.
+    #[error("sync stream closed")]
+    Closed,
+}
+
+/// Runs sync sessions until the process ends, reconnecting after each.
+pub async fn run(settings: SyncSettings, store: Store) {
+    let backoff = || {
+        ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(200))
+            .with_max_delay(Duration::from_secs(15))
+            .with_jitter()
+            .without_max_times()
+            .build()
+    };
+    let mut delays = backoff();
+    loop {
+        match session(&settings, &store).await {
+            Ok(()) => {
+                tracing::info!(cloud = %settings.cloud, "cloud closed the sync stream");
+                delays = backoff();
+            }
+            Err(error) => tracing::warn!(cloud = %settings.cloud, %error, "sync session ended"),
+        }
+        let delay = delays.next().unwrap_or(Duration::from_secs(15));
+        tokio::time::sleep(delay).await;
+    }
+}
+
+/// One session: Hello, then updates in and the outbox out until the stream ends.
+pub async fn session(settings: &SyncSettings, store: &Store) -> Result<(), SyncError> {
+    let mut client = proto::sync_client::SyncClient::connect(settings.cloud.clone())
+        .await
+        .map_err(|source| SyncError::Connect {
+            endpoint: settings.cloud.clone(),
+            source,
+        })?;
+    let (tx, rx) = mpsc::channel(16);
+    let held = store
+        .held()?
+        .into_iter()
+        .map(|(key, version)| proto::HeldResource {
+            key: key.to_string(),
+            version: Some((&version).into()),
+        })
+        .collect();
+    let hello = proto::Hello {
+        node: settings.node.clone(),
+        agent_version: settings.agent_version.clone(),
+        boot_id: settings.boot_id.clone(),
+        held,
+    };
+    send(&tx, agent_message::Kind::Hello(hello)).await?;
+    let mut inbound = client.stream(ReceiverStream::new(rx)).await?.into_inner();
+    tracing::info!(cloud = %settings.cloud, node = %settings.node, "sync stream open");
+
+    // The highest outbox seq sent in this session; a new session resends
+    // whatever is still unacknowledged.
+    let mut sent_up_to = 0;
+    let mut heartbeat = tokio::time::interval(HEARTBEAT_INTERVAL);
+    loop {
+        send_outbox(store, &tx, &mut sent_up_to).await?;
+        tokio::select! {
+            message = inbound.message() => {
+                let Some(message) = message? else { return Ok(()) };
+                match message.kind {
+                    Some(cloud_message::Kind::Update(update)) => apply_update(store, &tx, update).await?,
+                    Some(cloud_message::Kind::UplinkAck(ack)) => {
+                        store.acknowledge_uplink(ack.seq).await?;
+                    }
+                    Some(cloud_message::Kind::Heartbeat(_)) | None => {}
+                }
+            }
+            _ = store.outbox_grew() => {}
+            _ = heartbeat.tick() => {
+                let beat = proto::Heartbeat {
+                    sent_at_ms: now_ms(),
+                    outbox_depth: store.outbox_depth() as u64,
+                    events_dropped: 0,
+                    device_count: store.held()?.len() as u32,
+                };
+                send(&tx, agent_message::Kind::Heartbeat(beat)).await?;
+            }
+        }
+    }
+}
+
+/// Stores an update durably, then acknowledges it; refuses it whole if any
+/// resource in it is invalid.
+async fn apply_update(
+    store: &Store,
+    tx: &mpsc::Sender<proto::AgentMessage>,
+    update: proto::Update,
+) -> Result<(), SyncError> {
+    let mut upserts = Vec::with_capacity(update.upserts.len());
+    let mut rejected = Vec::new();
+    for resource in update.upserts {
+        match desired_device(&resource) {
+            Ok(entry) => upserts.push(entry),
+            Err(reason) => rejected.push(proto::RejectedResource {
+                key: resource.key,
+                reason,
+            }),
+        }
+    }
+    let mut removals = Vec::with_capacity(update.removals.len());
+    for key in &update.removals {
+        match key.parse::<ResourceKey>() {
+            Ok(key) => removals.push(key),
+            Err(e) => rejected.push(proto::RejectedResource {
+                key: key.clone(),
+                reason: e.to_string(),
+            }),
+        }
+    }
+    if !rejected.is_empty() {
+        tracing::warn!(nonce = %update.nonce, rejected = rejected.len(), "refusing an update");
+        let nack = proto::Nack {
+            nonce: update.nonce,
+            rejected,
+        };
+        return send(tx, agent_message::Kind::Nack(nack)).await;
+    }
+    store.apply(&upserts, &removals).await?;
+    tracing::debug!(nonce = %update.nonce, upserts = upserts.len(), removals = removals.len(), "update stored");
+    send(
+        tx,
+        agent_message::Kind::Ack(proto::Ack {
+            nonce: update.nonce,
+        }),
+    )
+    .await
+}
+
+/// A resource of an Update as the store keeps it.
+fn desired_device(resource: &proto::Resource) -> Result<(ResourceKey, DesiredDevice), String> {
+    let key: ResourceKey = resource
+        .key
+        .parse()
+        .map_err(|e: edgefleet_shared::key::ResourceKeyError| e.to_string())?;
+    let version = resource.version.as_ref().ok_or("no version")?;
+    let Some(resource::Body::Device(device)) = &resource.body else {
+        return Err("no device body".into());
+    };
+    let transport = match proto::Transport::try_from(device.transport) {
+        Ok(proto::Transport::Coap) => Transport::Coap,
+        Ok(proto::Transport::Mqtt) => Transport::Mqtt,
+        _ => return Err(format!("unknown transport {}", device.transport)),
+    };
+    let properties = device
+        .properties
+        .iter()
+        .map(|(k, v)| Ok((k.clone(), PropertyValue::try_from(v)?)))
+        .collect::<Result<BTreeMap<_, _>, proto::MissingField>>()
+        .map_err(|e| e.to_string())?;
+    let firmware = device.firmware.as_ref().map(|f| FirmwareOrder {
+        version: f.version.clone(),
+        url: (!f.url.is_empty()).then(|| f.url.clone()),
+        sha256: (!f.sha256.is_empty()).then(|| f.sha256.clone()),
+    });
+    Ok((
+        key,
+        DesiredDevice {
+            version: version.into(),
+            model: device.model.clone(),
+            transport,
+            properties,
+            firmware,
+        },
+    ))
+}
+
+/// Sends outbox entries after `sent_up_to`, in batches.
+async fn send_outbox(
+    store: &Store,
+    tx: &mpsc::Sender<proto::AgentMessage>,
+    sent_up_to: &mut u64,
+) -> Result<(), SyncError> {
+    loop {
+        let batch = store.pending_uplink(*sent_up_to, UPLINK_BATCH)?;
+        let Some((last, _)) = batch.last() else {
+            return Ok(());
+        };
+        *sent_up_to = *last;
+        let entries = batch
+            .into_iter()
+            .map(|(seq, pending)| {
+                let PendingUplink::Report { device, latest } = pending;
+                let report = proto::Report {
+                    device_key: device.to_string(),
+                    applied_generation: latest.report.applied_generation,
+                    properties: latest
+                        .report
+                        .properties
+                        .iter()
+                        .map(|(k, v)| (k.clone(), v.into()))
+                        .collect(),
+                    firmware_version: latest.report.firmware_version.unwrap_or_default(),
+                    received_at_ms: latest.received_at_ms,
+                };
+                proto::UplinkEntry {
+                    seq,
+                    body: Some(uplink_entry::Body::Report(report)),
+                }
+            })
+            .collect();
+        send(tx, agent_message::Kind::Uplink(proto::Uplink { entries })).await?;
+    }
+}
+
+async fn send(
+    tx: &mpsc::Sender<proto::AgentMessage>,
+    kind: agent_message::Kind,
+) -> Result<(), SyncError> {
+    tx.send(proto::AgentMessage { kind: Some(kind) })
+        .await
+        .map_err(|_| SyncError::Closed)
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or_default()
+}

@@ -1,0 +1,277 @@
+//! Cloud ↔ agent sync against the real API server, over real gRPC on
+//! loopback TCP, with the agent's store on a real disk. The controller and
+//! the agent's sync client run in this process; the device side is played by
+//! writing reports into the agent's store, as its CoAP server will.
+
+use std::collections::BTreeMap;
+use std::num::NonZeroU32;
+use std::time::Duration;
+
+use edgefleet_agent::store::Store;
+use edgefleet_agent::sync::{self, SyncSettings};
+use edgefleet_cloud::run::{Controller, Settings};
+use edgefleet_shared::api::{Device, DevicePhase, DeviceSpec, Transport};
+use edgefleet_shared::codec::DeviceReport;
+use edgefleet_shared::{PropertyValue, ResourceKey};
+use edgefleet_tests::{control_plane, test_namespace};
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use kube::{Api, Client};
+use serde_json::json;
+
+const PATIENCE: Duration = Duration::from_secs(20);
+
+/// Polls `check` until it returns `Some`, or panics after [`PATIENCE`].
+async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting until {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn start_controller(client: &Client) -> Controller {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    Controller::start(
+        client.clone(),
+        Settings {
+            sync_listener: listener,
+            status_writes_per_second: NonZeroU32::new(200).unwrap(),
+        },
+    )
+    .await
+    .unwrap()
+}
+
+fn start_agent(controller: &Controller, node: &str, store: &Store) -> tokio::task::JoinHandle<()> {
+    let settings = SyncSettings {
+        cloud: format!("http://{}", controller.sync_addr),
+        node: node.to_owned(),
+        agent_version: "test".into(),
+        boot_id: format!("boot-{node}"),
+    };
+    tokio::spawn(sync::run(settings, store.clone()))
+}
+
+fn thermostat(node: &str, setpoint: f64) -> DeviceSpec {
+    DeviceSpec {
+        node: node.into(),
+        model: "thermostat".into(),
+        transport: Transport::Coap,
+        desired: BTreeMap::from([("setpoint".to_owned(), PropertyValue::Float(setpoint))]),
+        firmware: None,
+    }
+}
+
+fn node_name(hint: &str) -> String {
+    format!("{hint}-{}", std::process::id())
+}
+
+#[tokio::test]
+async fn a_device_reaches_its_agent_and_its_report_reaches_status() {
+    let client = control_plane().client().await;
+    let ns = test_namespace(&client, "sync-pipeline").await;
+    let controller = start_controller(&client).await;
+    let tmp = tempfile::tempdir().unwrap();
+    let store = Store::open(&tmp.path().join("store")).unwrap().store;
+    let node = node_name("edge-pipeline");
+    let _agent = start_agent(&controller, &node, &store);
+
+    let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
+    devices
+        .create(
+            &PostParams::default(),
+            &Device::new("t1", thermostat(&node, 21.5)),
+        )
+        .await
+        .unwrap();
+    let key = ResourceKey::device(&ns, "t1");
+
+    // accepted → delivered: the agent stored it, and status says so.
+    let stored = eventually("the agent stores the Device", || async {
+        store.desired(&key).unwrap()
+    })
+    .await;
+    assert_eq!(stored.version.generation, 1);
+    assert_eq!(stored.properties["setpoint"], PropertyValue::Float(21.5));
+    eventually("status shows Delivered", || async {
+        let d = devices.get("t1").await.unwrap();
+        let s = d.status?;
+        (s.delivered_generation == Some(1) && s.phase == Some(DevicePhase::Delivered)).then_some(())
+    })
+    .await;
+
+    // delivered → applied: the device's report comes back into status.
+    let report = DeviceReport {
+        applied_generation: 1,
+        properties: BTreeMap::from([
+            ("setpoint".to_owned(), PropertyValue::Float(21.5)),
+            ("temperature".to_owned(), PropertyValue::Float(20.25)),
+        ]),
+        firmware_version: Some("1.0.3".into()),
+    };
+    store
+        .record_report(&key, report.clone(), 1_700_000_000_000)
+        .await
+        .unwrap();
+    let status = eventually("status shows the report", || async {
+        let s = devices.get("t1").await.unwrap().status?;
+        (s.phase == Some(DevicePhase::Applied)).then_some(s)
+    })
+    .await;
+    assert_eq!(status.applied_generation, Some(1));
+    assert_eq!(status.reported, report.properties);
+    assert_eq!(status.firmware_version.as_deref(), Some("1.0.3"));
+    eventually("the outbox drains after the UplinkAck", || async {
+        (store.outbox_depth() == 0).then_some(())
+    })
+    .await;
+
+    // A spec change arrives as generation 2; a deletion removes it.
+    let patch = json!({ "spec": { "desired": { "setpoint": 19.0 } } });
+    devices
+        .patch("t1", &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
+    let stored = eventually("the agent stores generation 2", || async {
+        store
+            .desired(&key)
+            .unwrap()
+            .filter(|d| d.version.generation == 2)
+    })
+    .await;
+    // The API server keeps JSON numbers, not their Rust types: 19.0 comes
+    // back as 19. Numeric properties compare by value.
+    assert_eq!(stored.properties["setpoint"].as_f64(), Some(19.0));
+    devices
+        .delete("t1", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually("the agent drops the deleted Device", || async {
+        store.desired(&key).unwrap().is_none().then_some(())
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_reconnecting_agent_is_sent_only_the_difference() {
+    let client = control_plane().client().await;
+    let ns = test_namespace(&client, "sync-resync").await;
+    let controller = start_controller(&client).await;
+    let tmp = tempfile::tempdir().unwrap();
+    let store = Store::open(&tmp.path().join("store")).unwrap().store;
+    let node = node_name("edge-resync");
+    let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
+    for name in ["a", "b", "c", "d"] {
+        devices
+            .create(
+                &PostParams::default(),
+                &Device::new(name, thermostat(&node, 20.0)),
+            )
+            .await
+            .unwrap();
+    }
+
+    let agent = start_agent(&controller, &node, &store);
+    eventually("the agent holds all four", || async {
+        (store.held().unwrap().len() == 4).then_some(())
+    })
+    .await;
+    agent.abort();
+    let _ = agent.await;
+    let sent_before = controller.sync_metrics.resources_sent.get();
+
+    // While the agent is away: one changed, one deleted, one added.
+    let patch = json!({ "spec": { "desired": { "setpoint": 23.0 } } });
+    devices
+        .patch("b", &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
+    devices.delete("c", &DeleteParams::default()).await.unwrap();
+    devices
+        .create(
+            &PostParams::default(),
+            &Device::new("e", thermostat(&node, 20.0)),
+        )
+        .await
+        .unwrap();
+    // Let the controller's index see all three before the agent returns.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    let _agent = start_agent(&controller, &node, &store);
+    eventually("the agent holds exactly a, b@2, d, e", || async {
+        let held: Vec<(String, i64)> = store
+            .held()
+            .unwrap()
+            .into_iter()
+            .map(|(k, v)| (k.name, v.generation))
+            .collect();
+        let want = [("a", 1), ("b", 2), ("d", 1), ("e", 1)].map(|(n, g)| (n.to_owned(), g));
+        (held == want).then_some(())
+    })
+    .await;
+    let resent = controller.sync_metrics.resources_sent.get() - sent_before;
+    assert_eq!(resent, 2, "only b (changed) and e (new) are sent again");
+}
+
+#[tokio::test]
+async fn a_report_for_a_device_of_another_node_is_refused_and_counted() {
+    let client = control_plane().client().await;
+    let ns = test_namespace(&client, "sync-foreign").await;
+    let controller = start_controller(&client).await;
+    let tmp = tempfile::tempdir().unwrap();
+    let store = Store::open(&tmp.path().join("store")).unwrap().store;
+    let node = node_name("edge-honest");
+    let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
+    devices
+        .create(
+            &PostParams::default(),
+            &Device::new("theirs", thermostat(&node_name("edge-other"), 20.0)),
+        )
+        .await
+        .unwrap();
+    let _agent = start_agent(&controller, &node, &store);
+
+    // This agent claims a report for a device that hangs off another node.
+    let report = DeviceReport {
+        applied_generation: 1,
+        properties: BTreeMap::from([("temperature".to_owned(), PropertyValue::Float(99.0))]),
+        firmware_version: None,
+    };
+    store
+        .record_report(&ResourceKey::device(&ns, "theirs"), report, 1)
+        .await
+        .unwrap();
+
+    let refused = || {
+        controller
+            .sync_metrics
+            .refused
+            .get_or_create(&vec![("reason".to_owned(), "unknown_device".to_owned())])
+            .get()
+    };
+    eventually("the cloud counts the refusal", || async {
+        (refused() >= 1).then_some(())
+    })
+    .await;
+    // Refused for good, so acknowledged and dropped at the edge, not resent forever.
+    eventually("the outbox drains", || async {
+        (store.outbox_depth() == 0).then_some(())
+    })
+    .await;
+    let theirs = devices.get("theirs").await.unwrap();
+    assert!(
+        theirs.status.as_ref().is_none_or(|s| s.reported.is_empty()),
+        "a foreign report reached status: {:?}",
+        theirs.status
+    );
+}
