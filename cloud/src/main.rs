@@ -2,7 +2,14 @@
 
 #![forbid(unsafe_code)]
 
+use std::net::SocketAddr;
+use std::num::NonZeroU32;
+
+use anyhow::Context;
 use clap::{Parser, Subcommand};
+use edgefleet_cloud::run::{Controller, Settings};
+use edgefleet_shared::telemetry::{self, Readiness};
+use prometheus_client::registry::Registry;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -21,11 +28,72 @@ enum Command {
     /// that completes their validation, as YAML
     /// (`edgefleet-cloud crds | kubectl apply --server-side -f -`).
     Crds,
+    /// Run the controller: watch Devices, serve agents, write status.
+    /// Uses $KUBECONFIG, ~/.kube/config or the in-cluster service account.
+    Run(RunArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct RunArgs {
+    /// Where agents connect (gRPC).
+    #[arg(long, env = "EDGEFLEET_SYNC_ADDR", default_value = "127.0.0.1:7443")]
+    sync_addr: SocketAddr,
+    /// Address of /metrics, /healthz and /readyz.
+    #[arg(long, env = "EDGEFLEET_METRICS_ADDR", default_value = "127.0.0.1:9090")]
+    metrics_addr: SocketAddr,
+    /// The status write budget: most Device status writes per second.
+    #[arg(long, env = "EDGEFLEET_STATUS_WRITES_PER_SECOND", default_value = "50")]
+    status_writes_per_second: NonZeroU32,
 }
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Crds => print!("{}", edgefleet_cloud::crds::render()?),
+        Command::Run(args) => tokio::runtime::Runtime::new()?.block_on(run(args))?,
     }
     Ok(())
+}
+
+async fn run(args: RunArgs) -> anyhow::Result<()> {
+    telemetry::init_logging();
+    let client = kube::Client::try_default()
+        .await
+        .context("no Kubernetes API: set KUBECONFIG or run in a cluster")?;
+    let readiness = Readiness::default();
+    let metrics_listener = tokio::net::TcpListener::bind(args.metrics_addr)
+        .await
+        .with_context(|| format!("bind metrics on {}", args.metrics_addr))?;
+    let sync_listener = tokio::net::TcpListener::bind(args.sync_addr)
+        .await
+        .with_context(|| format!("bind the sync server on {}", args.sync_addr))?;
+
+    // The operator endpoints answer (not ready) while the first list runs.
+    let mut registry = Registry::with_prefix("edgefleet_cloud");
+    let status_metrics = edgefleet_cloud::status::StatusMetrics::default();
+    let sync_metrics = std::sync::Arc::new(edgefleet_cloud::sync::SyncMetrics::default());
+    status_metrics.register(registry.sub_registry_with_prefix("status"));
+    sync_metrics.register(registry.sub_registry_with_prefix("sync"));
+    let endpoints = tokio::spawn(telemetry::serve(
+        metrics_listener,
+        registry,
+        readiness.clone(),
+    ));
+
+    let settings = Settings {
+        sync_listener,
+        status_writes_per_second: args.status_writes_per_second,
+        status_metrics,
+        sync_metrics,
+    };
+    let controller = Controller::start(client, settings).await?;
+    readiness.set(true);
+    tracing::info!(sync = %controller.sync_addr, metrics = %args.metrics_addr, "controller ready");
+
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        r = controller.wait() => r,
+        r = endpoints => r?.context("metrics server"),
+        _ = tokio::signal::ctrl_c() => Ok(()),
+        _ = term.recv() => Ok(()),
+    }
 }

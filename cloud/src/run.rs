@@ -16,7 +16,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 
 use crate::index::Index;
-use crate::status::StatusWriter;
+use crate::status::{StatusMetrics, StatusWriter};
 use crate::sync::{SyncMetrics, SyncService};
 
 /// What the controller needs to start.
@@ -26,6 +26,10 @@ pub struct Settings {
     pub sync_listener: TcpListener,
     /// The status write budget.
     pub status_writes_per_second: NonZeroU32,
+    /// The status writer's counters.
+    pub status_metrics: StatusMetrics,
+    /// The sync server's counters.
+    pub sync_metrics: Arc<SyncMetrics>,
 }
 
 /// A running controller.
@@ -51,6 +55,7 @@ impl Controller {
             client.clone(),
             devices.clone(),
             settings.status_writes_per_second,
+            settings.status_metrics,
         );
         let mut tasks = JoinSet::new();
 
@@ -64,7 +69,7 @@ impl Controller {
         devices.wait_until_ready().await?;
 
         let sync_addr = settings.sync_listener.local_addr()?;
-        let sync_metrics = Arc::new(SyncMetrics::default());
+        let sync_metrics = settings.sync_metrics;
         let service = SyncService::new(index, status.clone(), Arc::clone(&sync_metrics));
         let incoming = tonic::transport::server::TcpIncoming::from(settings.sync_listener);
         tasks.spawn(async move {

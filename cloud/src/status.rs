@@ -69,8 +69,8 @@ pub struct Completion {
     pub notify: mpsc::UnboundedSender<u64>,
 }
 
-/// Counters of what the writer did.
-#[derive(Debug, Default)]
+/// Counters of what the writer did. Cloning shares the counters.
+#[derive(Clone, Debug, Default)]
 pub struct StatusMetrics {
     /// Status writes made.
     pub writes: prometheus_client::metrics::counter::Counter,
@@ -82,6 +82,33 @@ pub struct StatusMetrics {
     pub failures: prometheus_client::metrics::counter::Counter,
     /// Changes for Devices that no longer exist.
     pub gone: prometheus_client::metrics::counter::Counter,
+}
+
+impl StatusMetrics {
+    /// Registers the counters with `registry`.
+    pub fn register(&self, registry: &mut prometheus_client::registry::Registry) {
+        registry.register("writes", "Device status writes made", self.writes.clone());
+        registry.register(
+            "skipped",
+            "Status changes that needed no write",
+            self.skipped.clone(),
+        );
+        registry.register(
+            "coalesced",
+            "Status changes merged into a pending write",
+            self.coalesced.clone(),
+        );
+        registry.register(
+            "failures",
+            "Status writes that failed and were retried",
+            self.failures.clone(),
+        );
+        registry.register(
+            "gone",
+            "Status changes for Devices that no longer exist",
+            self.gone.clone(),
+        );
+    }
 }
 
 #[derive(Debug, Default)]
@@ -123,7 +150,12 @@ impl std::fmt::Debug for Inner {
 impl StatusWriter {
     /// A writer that makes at most `writes_per_second` status writes, reading
     /// Devices' current state from the reflector `devices`.
-    pub fn new(client: Client, devices: Store<Device>, writes_per_second: NonZeroU32) -> Self {
+    pub fn new(
+        client: Client,
+        devices: Store<Device>,
+        writes_per_second: NonZeroU32,
+        metrics: StatusMetrics,
+    ) -> Self {
         StatusWriter {
             inner: Arc::new(Inner {
                 client,
@@ -131,7 +163,7 @@ impl StatusWriter {
                 state: Mutex::default(),
                 wake: Notify::new(),
                 limiter: RateLimiter::direct(Quota::per_second(writes_per_second)),
-                metrics: StatusMetrics::default(),
+                metrics,
             }),
         }
     }

@@ -46,6 +46,35 @@ pub struct SyncMetrics {
 }
 
 impl SyncMetrics {
+    /// Registers the counters with `registry`.
+    pub fn register(&self, registry: &mut prometheus_client::registry::Registry) {
+        registry.register("streams", "Open agent streams", self.streams.clone());
+        registry.register("updates", "Updates sent to agents", self.updates.clone());
+        registry.register(
+            "resources_sent",
+            "Resources sent in Updates",
+            self.resources_sent.clone(),
+        );
+        registry.register(
+            "uplink_entries",
+            "Uplink entries received",
+            self.uplink_entries.clone(),
+        );
+        registry.register(
+            "refused",
+            "Agent input refused, by reason",
+            self.refused.clone(),
+        );
+        registry.register("nacks", "Updates agents refused", self.nacks.clone());
+    }
+
+    /// How many inputs were refused for `reason`.
+    pub fn refused(&self, reason: &str) -> u64 {
+        self.refused
+            .get_or_create(&vec![("reason".to_owned(), reason.to_owned())])
+            .get()
+    }
+
     fn refuse(&self, reason: &str) {
         self.refused
             .get_or_create(&vec![("reason".to_owned(), reason.to_owned())])

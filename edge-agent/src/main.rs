@@ -1,21 +1,126 @@
-//! `edgefleet-agent`: runs on each edge node. Its runtime (store, sync
-//! client, CoAP and MQTT) is not written yet; today the binary only answers
-//! `--help` and `--version` so packaging and deployment can be built around it.
+//! `edgefleet-agent`: runs on each edge node.
 
 #![forbid(unsafe_code)]
 
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
 use clap::Parser;
+use edgefleet_agent::coap::{self, CoapMetrics};
+use edgefleet_agent::store::Store;
+use edgefleet_agent::sync::{self, SyncSettings};
+use edgefleet_shared::telemetry::{self, Readiness};
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 
 #[derive(Debug, Parser)]
-#[command(
-    name = "edgefleet-agent",
-    version,
-    about = "Edgefleet edge agent (runtime not implemented yet)"
-)]
-struct Cli {}
+#[command(name = "edgefleet-agent", version, about = "Edgefleet edge agent")]
+struct Cli {
+    /// This node's Kubernetes name: the agent's identity towards the cloud.
+    #[arg(long, env = "EDGEFLEET_NODE")]
+    node: String,
+    /// The cloud controller's sync endpoint.
+    #[arg(long, env = "EDGEFLEET_CLOUD", default_value = "http://127.0.0.1:7443")]
+    cloud: String,
+    /// Where the agent keeps its store.
+    #[arg(long, env = "EDGEFLEET_DATA_DIR", default_value = "/var/lib/edgefleet")]
+    data_dir: PathBuf,
+    /// UDP address of the CoAP server for devices.
+    #[arg(long, env = "EDGEFLEET_COAP_BIND", default_value = "127.0.0.1:5683")]
+    coap_bind: SocketAddr,
+    /// Address of /metrics and /healthz.
+    #[arg(long, env = "EDGEFLEET_METRICS_ADDR", default_value = "127.0.0.1:9464")]
+    metrics_addr: SocketAddr,
+}
 
-fn main() {
-    let _ = Cli::parse();
-    eprintln!("edgefleet-agent: the agent runtime is not implemented yet");
-    std::process::exit(2);
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    telemetry::init_logging();
+    let cli = Cli::parse();
+
+    let opened = Store::open(&cli.data_dir.join("store"))
+        .with_context(|| format!("open the store in {}", cli.data_dir.display()))?;
+    let mut registry = Registry::with_prefix("edgefleet_agent");
+    let store_rebuilt = prometheus_client::metrics::counter::Counter::<u64>::default();
+    registry.register(
+        "store_rebuilds",
+        "Stores moved aside because they could not be opened",
+        store_rebuilt.clone(),
+    );
+    if let Some((aside, reason)) = &opened.moved_aside {
+        store_rebuilt.inc();
+        tracing::error!(moved_to = %aside.display(), %reason, "the store could not be opened; it was moved aside and a new one is rebuilt from the cloud");
+    }
+    let store = opened.store;
+
+    let coap_metrics = Arc::new(CoapMetrics::default());
+    registry.register(
+        "coap_requests",
+        "CoAP requests by outcome",
+        coap_metrics.requests.clone(),
+    );
+    let outbox_depth = Gauge::<i64>::default();
+    registry.register(
+        "outbox_depth",
+        "Uplink entries waiting for the cloud's acknowledgement",
+        outbox_depth.clone(),
+    );
+    let devices = Gauge::<i64>::default();
+    registry.register("devices", "Devices the agent holds", devices.clone());
+
+    let coap_socket = tokio::net::UdpSocket::bind(cli.coap_bind)
+        .await
+        .with_context(|| format!("bind CoAP on {}", cli.coap_bind))?;
+    let metrics_listener = tokio::net::TcpListener::bind(cli.metrics_addr)
+        .await
+        .with_context(|| format!("bind metrics on {}", cli.metrics_addr))?;
+    tracing::info!(node = %cli.node, coap = %cli.coap_bind, metrics = %cli.metrics_addr, cloud = %cli.cloud, "agent starting");
+
+    let readiness = Readiness::default();
+    readiness.set(true);
+    let settings = SyncSettings {
+        cloud: cli.cloud.clone(),
+        node: cli.node.clone(),
+        agent_version: env!("CARGO_PKG_VERSION").to_owned(),
+        boot_id: boot_id(),
+    };
+    let gauges = {
+        let store = store.clone();
+        async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            loop {
+                tick.tick().await;
+                outbox_depth.set(store.outbox_depth() as i64);
+                devices.set(store.held().map(|h| h.len() as i64).unwrap_or(-1));
+            }
+        }
+    };
+    tokio::select! {
+        served = coap::serve(coap_socket, store.clone(), coap_metrics) => served.context("CoAP server")?,
+        served = telemetry::serve(metrics_listener, registry, readiness) => served.context("metrics server")?,
+        () = sync::run(settings, store.clone()) => {}
+        () = gauges => {}
+        _ = shutdown_signal() => tracing::info!("shutting down"),
+    }
+    Ok(())
+}
+
+/// A fresh id for this start of the agent.
+fn boot_id() -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or_default();
+    format!("{:x}-{:x}", nanos, std::process::id())
+}
+
+async fn shutdown_signal() -> std::io::Result<()> {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        r = tokio::signal::ctrl_c() => r,
+        _ = term.recv() => Ok(()),
+    }
 }

@@ -4,7 +4,8 @@
 //! - [`api`]: the custom resources (Device, EdgeNode) and their schemas;
 //! - [`proto`]: the sync protocol between cloud and agent (gRPC);
 //! - [`codec`]: the CBOR wire format between agent and devices;
-//! - [`version`], [`property`], [`key`]: the small value types all of them use.
+//! - [`version`], [`property`], [`key`]: the small value types all of them use;
+//! - [`telemetry`]: the operator endpoints and log setup every process shares.
 
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
@@ -14,6 +15,7 @@ pub mod codec;
 pub mod key;
 pub mod property;
 pub mod proto;
+pub mod telemetry;
 pub mod version;
 
 pub use key::{ResourceKey, ResourceKind};

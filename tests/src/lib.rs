@@ -14,6 +14,8 @@
 
 #![forbid(unsafe_code)]
 
+pub mod process;
+
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};

@@ -46,6 +46,8 @@ async fn start_controller(client: &Client) -> Controller {
         Settings {
             sync_listener: listener,
             status_writes_per_second: NonZeroU32::new(200).unwrap(),
+            status_metrics: Default::default(),
+            sync_metrics: Default::default(),
         },
     )
     .await
@@ -252,13 +254,7 @@ async fn a_report_for_a_device_of_another_node_is_refused_and_counted() {
         .await
         .unwrap();
 
-    let refused = || {
-        controller
-            .sync_metrics
-            .refused
-            .get_or_create(&vec![("reason".to_owned(), "unknown_device".to_owned())])
-            .get()
-    };
+    let refused = || controller.sync_metrics.refused("unknown_device");
     eventually("the cloud counts the refusal", || async {
         (refused() >= 1).then_some(())
     })

@@ -1,0 +1,91 @@
+//! What every Edgefleet process serves for operators: `/metrics`
+//! (Prometheus text format), `/healthz` (the process runs) and `/readyz` (it
+//! does its job), and the log setup.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use prometheus_client::registry::Registry;
+use tokio::net::TcpListener;
+
+/// Whether the process is ready; flipped by the process once it is.
+#[derive(Clone, Debug, Default)]
+pub struct Readiness(Arc<AtomicBool>);
+
+impl Readiness {
+    /// Marks the process ready (or not).
+    pub fn set(&self, ready: bool) {
+        self.0.store(ready, Ordering::Relaxed);
+    }
+
+    /// Whether it is ready.
+    pub fn get(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+#[derive(Clone)]
+struct Shared {
+    registry: Arc<Registry>,
+    readiness: Readiness,
+}
+
+/// Serves the operator endpoints on `listener` until the process ends.
+pub async fn serve(
+    listener: TcpListener,
+    registry: Registry,
+    readiness: Readiness,
+) -> std::io::Result<()> {
+    let shared = Shared {
+        registry: Arc::new(registry),
+        readiness,
+    };
+    let app = Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .with_state(shared);
+    axum::serve(listener, app).await
+}
+
+async fn metrics(State(shared): State<Shared>) -> impl IntoResponse {
+    let mut body = String::new();
+    match prometheus_client::encoding::text::encode(&mut body, &shared.registry) {
+        Ok(()) => (
+            StatusCode::OK,
+            [(
+                header::CONTENT_TYPE,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
+            body,
+        ),
+        Err(_) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            [(header::CONTENT_TYPE, "text/plain")],
+            "metrics encoding failed\n".to_owned(),
+        ),
+    }
+}
+
+async fn readyz(State(shared): State<Shared>) -> (StatusCode, &'static str) {
+    if shared.readiness.get() {
+        (StatusCode::OK, "ready\n")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+    }
+}
+
+/// Structured logs to stderr, filtered by `RUST_LOG` (default `info`).
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
