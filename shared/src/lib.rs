@@ -3,7 +3,8 @@
 //!
 //! - [`api`]: the custom resources (Device, EdgeNode) and their schemas;
 //! - [`proto`]: the sync protocol between cloud and agent (gRPC);
-//! - [`codec`]: the CBOR wire format between agent and devices;
+//! - [`codec`]: the CBOR wire format between agent and devices, and
+//!   [`topics`]: the MQTT topics it travels on;
 //! - [`version`], [`property`], [`key`]: the small value types all of them use;
 //! - [`telemetry`]: the operator endpoints and log setup every process shares.
 
@@ -16,6 +17,7 @@ pub mod key;
 pub mod property;
 pub mod proto;
 pub mod telemetry;
+pub mod topics;
 pub mod version;
 
 pub use key::{ResourceKey, ResourceKind};
