@@ -70,7 +70,7 @@ impl Controller {
 
         let sync_addr = settings.sync_listener.local_addr()?;
         let sync_metrics = settings.sync_metrics;
-        let service = SyncService::new(index, status.clone(), Arc::clone(&sync_metrics));
+        let service = SyncService::new(client, index, status.clone(), Arc::clone(&sync_metrics));
         let incoming = tonic::transport::server::TcpIncoming::from(settings.sync_listener);
         tasks.spawn(async move {
             let served = tonic::transport::Server::builder()

@@ -19,6 +19,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::edge_node::NodeStatus;
 use crate::index::{Index, NodeSlice, difference};
 use crate::status::{Completion, StatusChange, StatusWriter};
 
@@ -83,21 +84,35 @@ impl SyncMetrics {
 }
 
 /// The gRPC service.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct SyncService {
+    client: kube::Client,
     index: Arc<Index>,
     status: StatusWriter,
     metrics: Arc<SyncMetrics>,
 }
 
 impl SyncService {
-    /// A service serving `index` and writing reports through `status`.
-    pub fn new(index: Arc<Index>, status: StatusWriter, metrics: Arc<SyncMetrics>) -> Self {
+    /// A service serving `index`, writing reports through `status` and
+    /// EdgeNodes with `client`.
+    pub fn new(
+        client: kube::Client,
+        index: Arc<Index>,
+        status: StatusWriter,
+        metrics: Arc<SyncMetrics>,
+    ) -> Self {
         SyncService {
+            client,
             index,
             status,
             metrics,
         }
+    }
+}
+
+impl std::fmt::Debug for SyncService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SyncService").finish_non_exhaustive()
     }
 }
 
@@ -143,8 +158,16 @@ impl proto::sync_server::Sync for SyncService {
         }
         tracing::info!(node = %hello.node, agent = %hello.agent_version, boot = %hello.boot_id, held = held.len(), "agent connected");
 
+        let mut node_status = NodeStatus::new(self.client.clone(), &hello.node);
+        if let Err(error) = node_status
+            .connected(&hello.agent_version, &hello.boot_id)
+            .await
+        {
+            tracing::warn!(node = %hello.node, %error, "could not record the EdgeNode's connection");
+        }
         let (tx, rx) = mpsc::channel(16);
         let session = Session {
+            node_status,
             desired: self.index.subscribe(&hello.node),
             node: hello.node,
             sent: held,
@@ -175,6 +198,7 @@ fn is_node_name(name: &str) -> bool {
 
 struct Session {
     node: String,
+    node_status: NodeStatus,
     desired: watch::Receiver<NodeSlice>,
     // What the agent holds once every Update sent so far is applied.
     sent: BTreeMap<ResourceKey, ResourceVersion>,
@@ -200,7 +224,7 @@ impl Session {
                         self.send_difference(&tx).await?;
                     }
                     message = inbound.message() => match message {
-                        Ok(Some(message)) => self.handle(message, &done_tx)?,
+                        Ok(Some(message)) => self.handle(message, &done_tx).await?,
                         Ok(None) => return Ok(()),
                         Err(status) => return Err(format!("stream error: {status}")),
                     },
@@ -210,7 +234,7 @@ impl Session {
                         }
                     }
                     _ = heartbeat.tick() => {
-                        let beat = proto::Heartbeat { sent_at_ms: now_ms(), ..Default::default() };
+                        let beat = proto::Heartbeat { sent_at_ms: edgefleet_shared::now_unix_ms(), ..Default::default() };
                         send(&tx, cloud_message::Kind::Heartbeat(beat)).await?;
                     }
                 }
@@ -218,6 +242,9 @@ impl Session {
         }
         .await;
         self.metrics.streams.dec();
+        if let Err(error) = self.node_status.disconnected().await {
+            tracing::warn!(node = %self.node, %error, "could not record the EdgeNode's disconnection");
+        }
         match result {
             Ok(()) => tracing::info!(node = %self.node, "agent disconnected"),
             Err(reason) => tracing::warn!(node = %self.node, %reason, "agent stream ended"),
@@ -261,7 +288,7 @@ impl Session {
         Ok(())
     }
 
-    fn handle(
+    async fn handle(
         &mut self,
         message: proto::AgentMessage,
         done: &mpsc::UnboundedSender<u64>,
@@ -302,7 +329,20 @@ impl Session {
                     }
                 }
             }
-            Some(agent_message::Kind::Heartbeat(_)) => {}
+            Some(agent_message::Kind::Heartbeat(beat)) => {
+                let figures = (
+                    i64::from(beat.device_count),
+                    beat.outbox_depth as i64,
+                    beat.events_dropped as i64,
+                );
+                if let Err(error) = self
+                    .node_status
+                    .heartbeat(figures.0, figures.1, figures.2)
+                    .await
+                {
+                    tracing::warn!(node = %self.node, %error, "could not record a heartbeat");
+                }
+            }
             Some(agent_message::Kind::Hello(_)) => return Err("a second Hello".into()),
             None => self.metrics.refuse("empty_message"),
         }
@@ -345,13 +385,6 @@ async fn send(tx: &Outbound, kind: cloud_message::Kind) -> Result<(), String> {
     tx.send(Ok(proto::CloudMessage { kind: Some(kind) }))
         .await
         .map_err(|_| "agent went away".to_owned())
-}
-
-fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or_default()
 }
 
 /// Which uplink sequence number may be acknowledged: the highest one with

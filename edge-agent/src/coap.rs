@@ -269,7 +269,10 @@ async fn report(request: &Packet, store: &Store, key: &ResourceKey) -> (&'static
             );
         }
     }
-    match store.record_report(key, report, now_ms()).await {
+    match store
+        .record_report(key, report, edgefleet_shared::now_unix_ms())
+        .await
+    {
         Ok(_) => ("stored", reply(request, ResponseType::Changed)),
         Err(error) => {
             tracing::error!(device = %key, %error, "could not store a report");
@@ -362,13 +365,6 @@ fn reply(request: &Packet, code: ResponseType) -> Packet {
     response.header.code = MessageClass::Response(code);
     response.set_token(request.get_token().to_vec());
     response
-}
-
-fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or_default()
 }
 
 #[cfg(test)]

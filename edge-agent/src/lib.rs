@@ -1,12 +1,15 @@
 //! The Edgefleet edge agent: runs on each edge node, keeps the node's desired
 //! state and the devices' reports in a local store, and syncs with the cloud.
 //!
-//! Written so far: the [`store`], the [`sync`] client and the [`coap`] server
-//! for device reports. The MQTT side (desired state to devices, reports from
-//! MQTT devices) comes next.
+//! - [`store`]: desired state, latest reports and the outbox, in sled;
+//! - [`sync`]: the client of the cloud's sync stream;
+//! - [`coap`]: the CoAP server devices report to;
+//! - [`mqtt`]: desired state out and MQTT devices' reports in, on the site
+//!   broker (embedded by default).
 
 #![forbid(unsafe_code)]
 
 pub mod coap;
+pub mod mqtt;
 pub mod store;
 pub mod sync;

@@ -10,6 +10,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use edgefleet_agent::coap::{self, CoapMetrics};
+use edgefleet_agent::mqtt::{self, BrokerAddress, MqttMetrics};
 use edgefleet_agent::store::Store;
 use edgefleet_agent::sync::{self, SyncSettings};
 use edgefleet_shared::telemetry::{self, Readiness};
@@ -31,6 +32,13 @@ struct Cli {
     /// UDP address of the CoAP server for devices.
     #[arg(long, env = "EDGEFLEET_COAP_BIND", default_value = "127.0.0.1:5683")]
     coap_bind: SocketAddr,
+    /// An external site broker (`mqtt://host:port`, e.g. Mosquitto). Without
+    /// it the agent runs an embedded broker on --mqtt-listen.
+    #[arg(long, env = "EDGEFLEET_MQTT_URL")]
+    mqtt_url: Option<url::Url>,
+    /// Where the embedded broker listens (unused with --mqtt-url).
+    #[arg(long, env = "EDGEFLEET_MQTT_LISTEN", default_value = "127.0.0.1:1883")]
+    mqtt_listen: SocketAddr,
     /// Address of /metrics and /healthz.
     #[arg(long, env = "EDGEFLEET_METRICS_ADDR", default_value = "127.0.0.1:9464")]
     metrics_addr: SocketAddr,
@@ -71,6 +79,24 @@ async fn main() -> anyhow::Result<()> {
     let devices = Gauge::<i64>::default();
     registry.register("devices", "Devices the agent holds", devices.clone());
 
+    let mqtt_metrics = Arc::new(MqttMetrics::default());
+    registry.register(
+        "mqtt_reports",
+        "MQTT reports by outcome",
+        mqtt_metrics.reports.clone(),
+    );
+    registry.register(
+        "mqtt_desired_published",
+        "Desired states published retained",
+        mqtt_metrics.desired_published.clone(),
+    );
+    registry.register(
+        "mqtt_desired_cleared",
+        "Retained desired states cleared for deleted devices",
+        mqtt_metrics.desired_cleared.clone(),
+    );
+    let broker = broker_address(&cli)?;
+
     let coap_socket = tokio::net::UdpSocket::bind(cli.coap_bind)
         .await
         .with_context(|| format!("bind CoAP on {}", cli.coap_bind))?;
@@ -102,10 +128,38 @@ async fn main() -> anyhow::Result<()> {
         served = coap::serve(coap_socket, store.clone(), coap_metrics) => served.context("CoAP server")?,
         served = telemetry::serve(metrics_listener, registry, readiness) => served.context("metrics server")?,
         () = sync::run(settings, store.clone()) => {}
+        () = mqtt::run(broker, cli.node.clone(), store.clone(), mqtt_metrics) => {}
         () = gauges => {}
         _ = shutdown_signal() => tracing::info!("shutting down"),
     }
     Ok(())
+}
+
+/// The broker to use: the external one given, or an embedded one started now.
+fn broker_address(cli: &Cli) -> anyhow::Result<BrokerAddress> {
+    match &cli.mqtt_url {
+        Some(url) => {
+            anyhow::ensure!(
+                url.scheme() == "mqtt",
+                "--mqtt-url must be mqtt://host:port, not {url}"
+            );
+            let host = url.host_str().context("--mqtt-url has no host")?.to_owned();
+            Ok(BrokerAddress {
+                host,
+                port: url.port().unwrap_or(1883),
+            })
+        }
+        None => {
+            mqtt::start_embedded_broker(cli.mqtt_listen).with_context(|| {
+                format!("start the embedded MQTT broker on {}", cli.mqtt_listen)
+            })?;
+            tracing::info!(listen = %cli.mqtt_listen, "embedded MQTT broker started");
+            Ok(BrokerAddress {
+                host: cli.mqtt_listen.ip().to_string(),
+                port: cli.mqtt_listen.port(),
+            })
+        }
+    }
 }
 
 /// A fresh id for this start of the agent.

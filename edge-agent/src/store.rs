@@ -16,7 +16,7 @@ use edgefleet_shared::{PropertyValue, ResourceKey, ResourceVersion};
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 use sled::Transactional;
 use sled::transaction::{ConflictableTransactionError, TransactionError};
-use tokio::sync::Notify;
+use tokio::sync::{Notify, broadcast};
 
 /// Bumped when the layout of stored values changes; a store with another
 /// version is moved aside and rebuilt from the cloud.
@@ -39,6 +39,18 @@ pub struct DesiredDevice {
     /// Desired firmware, if any.
     pub firmware: Option<FirmwareOrder>,
 }
+
+/// Desired state that changed durably.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DesiredChange {
+    /// Devices added or changed.
+    pub upserted: Vec<ResourceKey>,
+    /// Devices removed.
+    pub removed: Vec<ResourceKey>,
+}
+
+/// How many desired-state changes a slow watcher may fall behind.
+pub const DESIRED_CHANGES_BUFFER: usize = 1024;
 
 /// The latest report of one device, with the outbox sequence number it went
 /// up under.
@@ -100,6 +112,8 @@ pub enum StoreError {
 pub struct Store {
     // Woken whenever an entry joins the outbox, so the uplink needs no polling.
     outbox_changed: Arc<Notify>,
+    // Every durable change of desired state, for the device-side publishers.
+    desired_changes: broadcast::Sender<DesiredChange>,
     db: sled::Db,
     desired: sled::Tree,
     reported: sled::Tree,
@@ -156,6 +170,7 @@ impl Store {
         let tree = |name: &str| db.open_tree(name).map_err(|e| e.to_string());
         let store = Store {
             outbox_changed: Arc::new(Notify::new()),
+            desired_changes: broadcast::Sender::new(DESIRED_CHANGES_BUFFER),
             desired: tree("desired")?,
             reported: tree("reported")?,
             outbox: tree("outbox")?,
@@ -226,7 +241,19 @@ impl Store {
         }
         self.desired.apply_batch(batch)?;
         self.db.flush_async().await?;
+        // Nobody listening is fine: publishers read the store when they start.
+        let _ = self.desired_changes.send(DesiredChange {
+            upserted: upserts.iter().map(|(k, _)| k.clone()).collect(),
+            removed: removals.to_vec(),
+        });
         Ok(())
+    }
+
+    /// Durable changes of desired state from now on. A receiver that falls
+    /// more than [`DESIRED_CHANGES_BUFFER`] changes behind gets `Lagged` and
+    /// should re-read [`Store::devices`].
+    pub fn watch_desired(&self) -> broadcast::Receiver<DesiredChange> {
+        self.desired_changes.subscribe()
     }
 
     /// Records a device's report durably and queues it for the cloud.

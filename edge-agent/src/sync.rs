@@ -129,7 +129,7 @@ pub async fn session(settings: &SyncSettings, store: &Store) -> Result<(), SyncE
             _ = store.outbox_grew() => {}
             _ = heartbeat.tick() => {
                 let beat = proto::Heartbeat {
-                    sent_at_ms: now_ms(),
+                    sent_at_ms: edgefleet_shared::now_unix_ms(),
                     outbox_depth: store.outbox_depth() as u64,
                     events_dropped: 0,
                     device_count: store.held()?.len() as u32,
@@ -270,11 +270,4 @@ async fn send(
     tx.send(proto::AgentMessage { kind: Some(kind) })
         .await
         .map_err(|_| SyncError::Closed)
-}
-
-fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or_default()
 }

@@ -23,3 +23,11 @@ pub mod version;
 pub use key::{ResourceKey, ResourceKind};
 pub use property::PropertyValue;
 pub use version::{FirmwareVersion, ResourceVersion};
+
+/// The wall clock in Unix milliseconds, as the protocols carry time.
+pub fn now_unix_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or_default()
+}

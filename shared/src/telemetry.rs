@@ -80,10 +80,11 @@ async fn readyz(State(shared): State<Shared>) -> (StatusCode, &'static str) {
     }
 }
 
-/// Structured logs to stderr, filtered by `RUST_LOG` (default `info`).
+/// Structured logs to stderr, filtered by `RUST_LOG` (default: `info`, with
+/// the embedded broker's per-connection chatter at `warn`).
 pub fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,rumqttd=warn"));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

@@ -69,6 +69,19 @@ impl Process {
         }
     }
 
+    /// Starts a program that is not part of the workspace (a broker, say).
+    pub fn start_path(program: &str, args: &[String]) -> Process {
+        let child = Command::new(program)
+            .args(args)
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {program}: {e}"));
+        Process {
+            name: program.to_owned(),
+            child,
+        }
+    }
+
     /// Sends SIGKILL and waits for the process to go.
     pub fn kill(&mut self) {
         let _ = self.child.kill();

@@ -1,15 +1,16 @@
-//! The whole report path with real processes: `edgefleet-cloud run` against
-//! the real API server, `edgefleet-agent` with its store on disk, and a
-//! device played by this test over real UDP CoAP.
+//! The whole hierarchy with real processes: `edgefleet-cloud run` against
+//! the real API server, `edgefleet-agent` with its store on disk and its
+//! site broker (embedded rumqttd, or Debian's Mosquitto started here), and
+//! devices played by this test over real UDP CoAP and MQTT.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use coap_lite::{CoapOption, MessageClass, MessageType, Packet, RequestType, ResponseType};
-use edgefleet_shared::PropertyValue;
 use edgefleet_shared::api::{Device, DevicePhase, DeviceSpec, Transport};
 use edgefleet_shared::codec::{self, DesiredState, DeviceReport};
+use edgefleet_shared::{PropertyValue, ResourceKey, topics};
 use edgefleet_tests::process::{Process, free_tcp_addr, free_udp_addr, http_get, metric};
 use edgefleet_tests::{control_plane, test_namespace};
 use kube::Api;
@@ -98,61 +99,170 @@ fn code(packet: &Packet) -> ResponseType {
     }
 }
 
+/// How the agent reaches its site broker.
+enum Broker {
+    /// The agent's embedded rumqttd, on this port.
+    Embedded(SocketAddr),
+    /// An external broker (Mosquitto) the test started.
+    External(SocketAddr),
+}
+
+impl Broker {
+    fn addr(&self) -> SocketAddr {
+        match self {
+            Broker::Embedded(a) | Broker::External(a) => *a,
+        }
+    }
+}
+
+/// The controller and one agent as real processes, and a namespace.
+struct Site {
+    client: kube::Client,
+    ns: String,
+    node: String,
+    coap: SocketAddr,
+    agent_metrics: SocketAddr,
+    broker: Broker,
+    agent: Process,
+    _cloud: Process,
+    _data: tempfile::TempDir,
+}
+
+impl Site {
+    async fn start(hint: &str, broker: Broker) -> Site {
+        let cp = control_plane();
+        let client = cp.client().await;
+        let ns = test_namespace(&client, hint).await;
+        let node = format!("edge-{hint}-{}", std::process::id());
+        let data = tempfile::tempdir().unwrap();
+
+        let (sync, cloud_metrics) = (free_tcp_addr(), free_tcp_addr());
+        let cloud = Process::start(
+            "edgefleet-cloud",
+            &[
+                "run".into(),
+                format!("--sync-addr={sync}"),
+                format!("--metrics-addr={cloud_metrics}"),
+            ],
+            &[("KUBECONFIG", cp.kubeconfig().display().to_string())],
+        );
+        eventually("the controller is ready", || async {
+            matches!(http_get(cloud_metrics, "/readyz").await, Ok((200, _))).then_some(())
+        })
+        .await;
+
+        let (coap, agent_metrics) = (free_udp_addr(), free_tcp_addr());
+        let mqtt = match &broker {
+            Broker::Embedded(listen) => format!("--mqtt-listen={listen}"),
+            Broker::External(addr) => format!("--mqtt-url=mqtt://{addr}"),
+        };
+        let agent = Process::start(
+            "edgefleet-agent",
+            &[
+                format!("--node={node}"),
+                format!("--cloud=http://{sync}"),
+                format!("--data-dir={}", data.path().display()),
+                format!("--coap-bind={coap}"),
+                format!("--metrics-addr={agent_metrics}"),
+                mqtt,
+            ],
+            &[],
+        );
+        eventually("the agent is up", || async {
+            matches!(http_get(agent_metrics, "/healthz").await, Ok((200, _))).then_some(())
+        })
+        .await;
+        Site {
+            client,
+            ns,
+            node,
+            coap,
+            agent_metrics,
+            broker,
+            agent,
+            _cloud: cloud,
+            _data: data,
+        }
+    }
+
+    fn devices(&self) -> Api<Device> {
+        Api::namespaced(self.client.clone(), &self.ns)
+    }
+
+    async fn create(&self, name: &str, transport: Transport) {
+        let spec = DeviceSpec {
+            node: self.node.clone(),
+            model: "thermostat".into(),
+            transport,
+            desired: BTreeMap::from([("setpoint".to_owned(), PropertyValue::Float(21.5))]),
+            firmware: None,
+        };
+        self.devices()
+            .create(&PostParams::default(), &Device::new(name, spec))
+            .await
+            .unwrap();
+    }
+
+    async fn wait_for_phase(
+        &self,
+        name: &str,
+        phase: DevicePhase,
+    ) -> edgefleet_shared::api::DeviceStatus {
+        let devices = self.devices();
+        eventually(&format!("{name} is {phase:?}"), || async {
+            let s = devices.get(name).await.ok()?.status?;
+            (s.phase == Some(phase)).then_some(s)
+        })
+        .await
+    }
+
+    /// An MQTT client playing a device, subscribed to its desired topic.
+    async fn mqtt_device(&self, name: &str) -> (rumqttc::AsyncClient, rumqttc::EventLoop, String) {
+        let key = ResourceKey::device(&self.ns, name);
+        let addr = self.broker.addr();
+        let options =
+            rumqttc::MqttOptions::new(format!("sim-{name}"), addr.ip().to_string(), addr.port());
+        let (client, events) = rumqttc::AsyncClient::new(options, 64);
+        let topic = topics::desired(&self.node, &key);
+        client
+            .subscribe(&topic, rumqttc::QoS::AtLeastOnce)
+            .await
+            .unwrap();
+        (client, events, topic)
+    }
+}
+
+/// The next message on `topic`.
+async fn next_on(events: &mut rumqttc::EventLoop, topic: &str) -> Vec<u8> {
+    let wait = async {
+        loop {
+            match events.poll().await {
+                Ok(rumqttc::Event::Incoming(rumqttc::Packet::Publish(p))) if p.topic == topic => {
+                    return p.payload.to_vec();
+                }
+                Ok(_) => {}
+                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+    };
+    tokio::time::timeout(PATIENCE, wait)
+        .await
+        .unwrap_or_else(|_| panic!("nothing arrived on {topic}"))
+}
+
 #[tokio::test]
 async fn a_device_report_over_coap_reaches_device_status_and_bad_input_is_refused() {
-    let cp = control_plane();
-    let client = cp.client().await;
-    let ns = test_namespace(&client, "e2e-coap").await;
-    let node = format!("edge-e2e-{}", std::process::id());
-    let tmp = tempfile::tempdir().unwrap();
+    let mut site = Site::start("e2e-coap", Broker::Embedded(free_tcp_addr())).await;
+    let (ns, coap, agent_metrics) = (site.ns.clone(), site.coap, site.agent_metrics);
+    let devices = site.devices();
+    site.create("t1", Transport::Coap).await;
+    site.wait_for_phase("t1", DevicePhase::Delivered).await;
 
-    let (sync, cloud_metrics) = (free_tcp_addr(), free_tcp_addr());
-    let _cloud = Process::start(
-        "edgefleet-cloud",
-        &[
-            "run".into(),
-            "--sync-addr".into(),
-            sync.to_string(),
-            "--metrics-addr".into(),
-            cloud_metrics.to_string(),
-        ],
-        &[("KUBECONFIG", cp.kubeconfig().display().to_string())],
-    );
-    eventually("the controller is ready", || async {
-        matches!(http_get(cloud_metrics, "/readyz").await, Ok((200, _))).then_some(())
-    })
-    .await;
-
-    let (coap, agent_metrics) = (free_udp_addr(), free_tcp_addr());
-    let mut agent = Process::start(
-        "edgefleet-agent",
-        &[
-            format!("--node={node}"),
-            format!("--cloud=http://{sync}"),
-            format!("--data-dir={}", tmp.path().display()),
-            format!("--coap-bind={coap}"),
-            format!("--metrics-addr={agent_metrics}"),
-        ],
-        &[],
-    );
-
-    let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
-    let spec = DeviceSpec {
-        node: node.clone(),
-        model: "thermostat".into(),
-        transport: Transport::Coap,
-        desired: BTreeMap::from([("setpoint".to_owned(), PropertyValue::Float(21.5))]),
-        firmware: None,
-    };
-    devices
-        .create(&PostParams::default(), &Device::new("t1", spec))
-        .await
-        .unwrap();
-    eventually("the Device is Delivered", || async {
-        let s = devices.get("t1").await.ok()?.status?;
-        (s.phase == Some(DevicePhase::Delivered)).then_some(())
-    })
-    .await;
+    // Desired state is also on the embedded broker, retained.
+    let (_mqtt, mut mqtt_events, desired_topic) = site.mqtt_device("t1").await;
+    let retained: DesiredState =
+        codec::decode(&next_on(&mut mqtt_events, &desired_topic).await).unwrap();
+    assert_eq!(retained.generation, 1);
 
     // The device reads its desired state over CoAP...
     let mut device = CoapDevice::new(coap).await;
@@ -253,7 +363,7 @@ async fn a_device_report_over_coap_reaches_device_status_and_bad_input_is_refuse
         (s.reported.get("temperature") == Some(&PropertyValue::Float(22.5))).then_some(())
     })
     .await;
-    agent.assert_running();
+    site.agent.assert_running();
 
     let (_, metrics) = http_get(agent_metrics, "/metrics").await.unwrap();
     let count = |outcome: &str| {
@@ -279,4 +389,96 @@ async fn a_device_report_over_coap_reaches_device_status_and_bad_input_is_refuse
         },
     )
     .await;
+}
+
+/// Starts Debian's Mosquitto on a loopback port; killed when dropped.
+fn start_mosquitto(dir: &std::path::Path) -> (Process, SocketAddr) {
+    let addr = free_tcp_addr();
+    let conf = dir.join("mosquitto.conf");
+    std::fs::write(
+        &conf,
+        format!(
+            "listener {} {}\nallow_anonymous true\npersistence false\n",
+            addr.port(),
+            addr.ip()
+        ),
+    )
+    .unwrap();
+    let mosquitto = ["/usr/sbin/mosquitto", "/usr/bin/mosquitto"]
+        .into_iter()
+        .find(|p| std::path::Path::new(p).exists())
+        .expect("mosquitto is installed (Debian package `mosquitto`; .ci/run installs it)");
+    (
+        Process::start_path(mosquitto, &["-c".into(), conf.display().to_string()]),
+        addr,
+    )
+}
+
+#[tokio::test]
+async fn with_mosquitto_an_mqtt_device_gets_desired_state_and_its_reports_reach_status() {
+    let broker_dir = tempfile::tempdir().unwrap();
+    let (_mosquitto, broker) = start_mosquitto(broker_dir.path());
+    let site = Site::start("e2e-mosquitto", Broker::External(broker)).await;
+    let devices = site.devices();
+    let key = ResourceKey::device(&site.ns, "m1");
+    site.create("m1", Transport::Mqtt).await;
+    site.wait_for_phase("m1", DevicePhase::Delivered).await;
+
+    // The device gets its retained desired state on connect...
+    let (device, mut events, desired_topic) = site.mqtt_device("m1").await;
+    let desired: DesiredState = codec::decode(&next_on(&mut events, &desired_topic).await).unwrap();
+    assert_eq!(desired.generation, 1);
+
+    // ...applies it and reports over MQTT; status shows it.
+    let report = DeviceReport {
+        applied_generation: desired.generation,
+        properties: BTreeMap::from([("temperature".to_owned(), PropertyValue::Float(18.5))]),
+        firmware_version: Some("2.0.1".into()),
+    };
+    device
+        .publish(
+            topics::report(&site.node, &key),
+            rumqttc::QoS::AtLeastOnce,
+            false,
+            codec::encode(&report).unwrap(),
+        )
+        .await
+        .unwrap();
+    let pump = async {
+        loop {
+            let _ = events.poll().await;
+        }
+    };
+    let status = tokio::select! {
+        s = site.wait_for_phase("m1", DevicePhase::Applied) => s,
+        () = pump => unreachable!(),
+    };
+    assert_eq!(status.reported, report.properties);
+    assert_eq!(status.firmware_version.as_deref(), Some("2.0.1"));
+
+    // A spec change reaches the device as generation 2.
+    let patch = serde_json::json!({ "spec": { "desired": { "setpoint": 17.5 } } });
+    devices
+        .patch(
+            "m1",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&patch),
+        )
+        .await
+        .unwrap();
+    let update: DesiredState = loop {
+        let d: DesiredState = codec::decode(&next_on(&mut events, &desired_topic).await).unwrap();
+        if d.generation == 2 {
+            break d;
+        }
+    };
+    assert_eq!(update.properties["setpoint"].as_f64(), Some(17.5));
+
+    // Deleting the Device clears its retained topic.
+    devices.delete("m1", &Default::default()).await.unwrap();
+    loop {
+        if next_on(&mut events, &desired_topic).await.is_empty() {
+            break;
+        }
+    }
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 use edgefleet_agent::store::Store;
 use edgefleet_agent::sync::{self, SyncSettings};
 use edgefleet_cloud::run::{Controller, Settings};
-use edgefleet_shared::api::{Device, DevicePhase, DeviceSpec, Transport};
+use edgefleet_shared::api::{Device, DevicePhase, DeviceSpec, EdgeNode, Transport};
 use edgefleet_shared::codec::DeviceReport;
 use edgefleet_shared::{PropertyValue, ResourceKey};
 use edgefleet_tests::{control_plane, test_namespace};
@@ -188,8 +188,28 @@ async fn a_reconnecting_agent_is_sent_only_the_difference() {
         (store.held().unwrap().len() == 4).then_some(())
     })
     .await;
+    let edge_nodes: Api<EdgeNode> = Api::all(client.clone());
+    let ready = |n: &EdgeNode| {
+        let status = n.status.clone().unwrap_or_default();
+        let ready = status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Ready")
+            .map(|c| c.status.clone());
+        (status.connected, ready)
+    };
+    eventually("the EdgeNode was created and is Ready", || async {
+        let n = edge_nodes.get(&node).await.ok()?;
+        (ready(&n) == (true, Some("True".into()))).then_some(())
+    })
+    .await;
     agent.abort();
     let _ = agent.await;
+    eventually("the EdgeNode shows the agent gone", || async {
+        let n = edge_nodes.get(&node).await.ok()?;
+        (ready(&n) == (false, Some("Unknown".into()))).then_some(())
+    })
+    .await;
     let sent_before = controller.sync_metrics.resources_sent.get();
 
     // While the agent is away: one changed, one deleted, one added.
@@ -223,6 +243,9 @@ async fn a_reconnecting_agent_is_sent_only_the_difference() {
     .await;
     let resent = controller.sync_metrics.resources_sent.get() - sent_before;
     assert_eq!(resent, 2, "only b (changed) and e (new) are sent again");
+    let n = edge_nodes.get(&node).await.unwrap();
+    assert_eq!(ready(&n), (true, Some("True".into())));
+    assert_eq!(n.status.unwrap().agent_version.as_deref(), Some("test"));
 }
 
 #[tokio::test]

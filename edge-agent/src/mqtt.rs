@@ -1,0 +1,320 @@
+//! The agent's MQTT side, on the site broker: desired state out as retained
+//! messages, reports of MQTT devices in. See [`edgefleet_shared::topics`].
+//!
+//! The broker is an embedded rumqttd by default, so one agent runs alone; an
+//! external broker (Mosquitto, EMQX) is used when its address is given.
+//!
+//! A report is acknowledged (PUBACK) only after it is durable in the store,
+//! so a device whose report was lost with the agent sends it again.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use edgefleet_shared::codec::{self, CodecError, DesiredState, DeviceReport};
+use edgefleet_shared::{ResourceKey, topics};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use rumqttc::{AsyncClient, Event, EventLoop, MqttOptions, Packet, Publish, QoS};
+use tokio::sync::{Notify, broadcast, mpsc};
+
+use crate::store::{Store, StoreError};
+
+/// The largest payload the embedded broker forwards. Reports over the device
+/// wire format's limit still get through, so the agent can refuse and count
+/// them; much larger ones the broker refuses itself.
+pub const BROKER_MAX_PAYLOAD: usize = 16 * 1024;
+
+/// The largest packet the agent's client accepts: above anything a broker
+/// forwards, so an oversized report never costs the agent its connection.
+const CLIENT_MAX_PACKET: usize = 64 * 1024;
+
+/// Where the site broker is.
+#[derive(Clone, Debug)]
+pub struct BrokerAddress {
+    /// Host name or address.
+    pub host: String,
+    /// TCP port.
+    pub port: u16,
+}
+
+/// Starts an embedded rumqttd broker listening on `listen` (MQTT 3.1.1), in
+/// threads of its own.
+pub fn start_embedded_broker(listen: SocketAddr) -> std::io::Result<()> {
+    let settings = rumqttd::ServerSettings {
+        name: "edgefleet-site".into(),
+        listen,
+        tls: None,
+        next_connection_delay_ms: 1,
+        connections: rumqttd::ConnectionSettings {
+            connection_timeout_ms: 60_000,
+            max_payload_size: BROKER_MAX_PAYLOAD,
+            max_inflight_count: 500,
+            auth: None,
+            external_auth: None,
+            dynamic_filters: true,
+        },
+    };
+    let config = rumqttd::Config {
+        id: 0,
+        router: rumqttd::RouterConfig {
+            max_connections: 10_010,
+            max_outgoing_packet_count: 200,
+            max_segment_size: 100 * 1024 * 1024,
+            max_segment_count: 10,
+            custom_segment: None,
+            initialized_filters: None,
+            shared_subscriptions_strategy: Default::default(),
+        },
+        v4: Some(HashMap::from([("site".to_owned(), settings)])),
+        v5: None,
+        ws: None,
+        cluster: None,
+        console: None,
+        bridge: None,
+        prometheus: None,
+        metrics: None,
+    };
+    // Fail now, with the address in the error, if the port is taken.
+    drop(std::net::TcpListener::bind(listen)?);
+    std::thread::Builder::new()
+        .name("mqtt-broker".into())
+        .spawn(move || {
+            if let Err(error) = rumqttd::Broker::new(config).start() {
+                tracing::error!(%error, "embedded MQTT broker stopped");
+            }
+        })?;
+    Ok(())
+}
+
+/// Counters of the MQTT side.
+#[derive(Debug, Default)]
+pub struct MqttMetrics {
+    /// Reports received, by `outcome` (`stored` or the refusal reason).
+    pub reports: Family<Vec<(String, String)>, Counter>,
+    /// Desired states published (retained).
+    pub desired_published: Counter,
+    /// Retained desired states cleared for deleted devices.
+    pub desired_cleared: Counter,
+}
+
+impl MqttMetrics {
+    fn count(&self, outcome: &str) {
+        self.reports
+            .get_or_create(&vec![("outcome".to_owned(), outcome.to_owned())])
+            .inc();
+    }
+
+    /// How many reports ended with `outcome`.
+    pub fn get(&self, outcome: &str) -> u64 {
+        self.reports
+            .get_or_create(&vec![("outcome".to_owned(), outcome.to_owned())])
+            .get()
+    }
+}
+
+/// Connects to the broker and runs until the process ends: publishes every
+/// device's desired state (again after each reconnect) and stores reports.
+pub async fn run(broker: BrokerAddress, node: String, store: Store, metrics: Arc<MqttMetrics>) {
+    let mut options = MqttOptions::new(
+        format!("edgefleet-agent-{node}"),
+        broker.host.clone(),
+        broker.port,
+    );
+    options
+        .set_keep_alive(Duration::from_secs(20))
+        .set_clean_session(true)
+        .set_manual_acks(true)
+        .set_max_packet_size(CLIENT_MAX_PACKET, CLIENT_MAX_PACKET)
+        .set_request_channel_capacity(1024);
+    let (client, events) = AsyncClient::new(options, 1024);
+    let connected = Arc::new(Notify::new());
+    let (reports_tx, reports_rx) = mpsc::channel(1024);
+
+    let publisher = publish_desired(
+        client.clone(),
+        node.clone(),
+        store.clone(),
+        Arc::clone(&connected),
+        Arc::clone(&metrics),
+    );
+    let receiver = store_reports(
+        client.clone(),
+        node.clone(),
+        store,
+        reports_rx,
+        Arc::clone(&metrics),
+    );
+    let events = drive(events, client, node, connected, reports_tx);
+    tokio::join!(publisher, receiver, events);
+}
+
+/// Polls the connection; hands reports to [`store_reports`] and tells the
+/// publisher about every (re)connect.
+async fn drive(
+    mut events: EventLoop,
+    client: AsyncClient,
+    node: String,
+    connected: Arc<Notify>,
+    reports: mpsc::Sender<Publish>,
+) {
+    loop {
+        match events.poll().await {
+            Ok(Event::Incoming(Packet::ConnAck(_))) => {
+                tracing::info!(%node, "connected to the site broker");
+                // Subscribing from here would wait on this very loop: use try_.
+                if let Err(error) =
+                    client.try_subscribe(topics::reports_of(&node), QoS::AtLeastOnce)
+                {
+                    tracing::warn!(%error, "could not subscribe to reports");
+                }
+                connected.notify_one();
+            }
+            Ok(Event::Incoming(Packet::Publish(publish))) => {
+                if reports.send(publish).await.is_err() {
+                    return;
+                }
+            }
+            Ok(_) => {}
+            Err(error) => {
+                tracing::warn!(%node, %error, "site broker connection lost; reconnecting");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    }
+}
+
+/// Stores reports one at a time, in arrival order, and acknowledges each
+/// once it is durable.
+async fn store_reports(
+    client: AsyncClient,
+    node: String,
+    store: Store,
+    mut reports: mpsc::Receiver<Publish>,
+    metrics: Arc<MqttMetrics>,
+) {
+    while let Some(publish) = reports.recv().await {
+        let outcome = match store_report(&node, &store, &publish).await {
+            Ok(()) => "stored",
+            Err(Refusal::Codec(error)) => {
+                tracing::debug!(topic = %publish.topic, %error, "report refused");
+                error.metric_label()
+            }
+            Err(Refusal::NotAReport) => "not_a_report_topic",
+            Err(Refusal::UnknownDevice(key)) => {
+                tracing::debug!(device = %key, "report from an unknown device");
+                "unknown_device"
+            }
+            Err(Refusal::Store(error)) => {
+                // Not acknowledged: the device sends it again.
+                tracing::error!(topic = %publish.topic, %error, "could not store a report");
+                metrics.count("store_error");
+                continue;
+            }
+        };
+        metrics.count(outcome);
+        // A refused report is acknowledged too: resending it cannot help.
+        if let Err(error) = client.ack(&publish).await {
+            tracing::warn!(%error, "could not acknowledge a report");
+        }
+    }
+}
+
+enum Refusal {
+    NotAReport,
+    UnknownDevice(ResourceKey),
+    Codec(CodecError),
+    Store(StoreError),
+}
+
+async fn store_report(node: &str, store: &Store, publish: &Publish) -> Result<(), Refusal> {
+    let key = topics::parse_report(node, &publish.topic).ok_or(Refusal::NotAReport)?;
+    let report: DeviceReport = codec::decode(&publish.payload).map_err(Refusal::Codec)?;
+    if store.desired(&key).map_err(Refusal::Store)?.is_none() {
+        return Err(Refusal::UnknownDevice(key));
+    }
+    store
+        .record_report(&key, report, edgefleet_shared::now_unix_ms())
+        .await
+        .map(drop)
+        .map_err(Refusal::Store)
+}
+
+/// Publishes desired state as it changes, and all of it after each connect.
+async fn publish_desired(
+    client: AsyncClient,
+    node: String,
+    store: Store,
+    connected: Arc<Notify>,
+    metrics: Arc<MqttMetrics>,
+) {
+    let mut changes = store.watch_desired();
+    loop {
+        tokio::select! {
+            () = connected.notified() => publish_all(&client, &node, &store, &metrics).await,
+            change = changes.recv() => match change {
+                Ok(change) => {
+                    for key in &change.upserted {
+                        publish_one(&client, &node, &store, key, &metrics).await;
+                    }
+                    for key in &change.removed {
+                        let cleared = client.publish(topics::desired(&node, key), QoS::AtLeastOnce, true, Vec::new()).await;
+                        if cleared.is_ok() {
+                            metrics.desired_cleared.inc();
+                        }
+                    }
+                }
+                Err(broadcast::error::RecvError::Lagged(_)) => publish_all(&client, &node, &store, &metrics).await,
+                Err(broadcast::error::RecvError::Closed) => return,
+            },
+        }
+    }
+}
+
+async fn publish_all(client: &AsyncClient, node: &str, store: &Store, metrics: &MqttMetrics) {
+    match store.devices() {
+        Ok(devices) => {
+            for (key, _) in devices {
+                publish_one(client, node, store, &key, metrics).await;
+            }
+        }
+        Err(error) => tracing::error!(%error, "cannot read desired state to publish"),
+    }
+}
+
+async fn publish_one(
+    client: &AsyncClient,
+    node: &str,
+    store: &Store,
+    key: &ResourceKey,
+    metrics: &MqttMetrics,
+) {
+    let device = match store.desired(key) {
+        Ok(Some(device)) => device,
+        Ok(None) => return,
+        Err(error) => {
+            tracing::error!(device = %key, %error, "cannot read desired state");
+            return;
+        }
+    };
+    let state = DesiredState {
+        generation: device.version.generation,
+        properties: device.properties,
+        firmware: device.firmware,
+    };
+    match codec::encode(&state) {
+        Ok(payload) => {
+            if client
+                .publish(topics::desired(node, key), QoS::AtLeastOnce, true, payload)
+                .await
+                .is_ok()
+            {
+                metrics.desired_published.inc();
+            }
+        }
+        Err(error) => {
+            tracing::error!(device = %key, %error, "desired state does not fit the device wire format")
+        }
+    }
+}
