@@ -1,20 +1,190 @@
-//! `edgefleet-sim`: simulated devices. The simulation is not written yet;
-//! today the binary only answers `--help` and `--version`.
+//! `edgefleet-sim`: simulated devices for Edgefleet.
+//!
+//! - `edgefleet-sim devices`: print the fleet's Device resources, for
+//!   `kubectl apply -f -`;
+//! - `edgefleet-sim run`: simulate the same fleet against running agents.
+//!
+//! Give both subcommands the same fleet flags (nodes in the same order) and
+//! the simulated devices are exactly the Devices applied.
 
 #![forbid(unsafe_code)]
 
-use clap::Parser;
+use std::future::Future;
+use std::io::{self, Write};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::{Args, Parser, Subcommand};
+use edgefleet_sim::config::{node_name, parse_duration};
+use edgefleet_sim::fleet::FleetSpec;
+use edgefleet_sim::model::ModelKind;
+use edgefleet_sim::retransmit::RetransmitParams;
+use edgefleet_sim::{NodeEndpoint, RunConfig, manifest};
+use tokio::signal::unix::{SignalKind, signal};
 
 #[derive(Debug, Parser)]
-#[command(
-    name = "edgefleet-sim",
-    version,
-    about = "Edgefleet device simulator (simulation not implemented yet)"
-)]
-struct Cli {}
+#[command(name = "edgefleet-sim", version, about = "Edgefleet device simulator")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
 
-fn main() {
-    let _ = Cli::parse();
-    eprintln!("edgefleet-sim: the simulator is not implemented yet");
-    std::process::exit(2);
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Print the fleet's Device resources as YAML documents (one JSON object
+    /// each), for `kubectl apply -f -`.
+    Devices(DevicesArgs),
+    /// Simulate the fleet: report to the agents, apply their desired states.
+    Run(RunArgs),
+}
+
+/// The flags that decide the fleet, shared by both subcommands.
+#[derive(Debug, Args)]
+struct FleetArgs {
+    /// Namespace of the Devices.
+    #[arg(long, env = "EDGEFLEET_SIM_NAMESPACE", default_value = "default")]
+    namespace: String,
+    /// How many devices.
+    #[arg(long, env = "EDGEFLEET_SIM_DEVICES", default_value_t = 300)]
+    devices: usize,
+    /// Device models, assigned round-robin.
+    #[arg(
+        long,
+        env = "EDGEFLEET_SIM_MODELS",
+        value_delimiter = ',',
+        default_value = "thermostat,valve,meter"
+    )]
+    models: Vec<ModelKind>,
+    /// Every K-th device (K-1, 2K-1, …) talks MQTT instead of CoAP; 0: none.
+    #[arg(long, env = "EDGEFLEET_SIM_MQTT_EVERY", default_value_t = 0)]
+    mqtt_every: usize,
+    /// Device names are PREFIX-00000, PREFIX-00001, …
+    #[arg(long, env = "EDGEFLEET_SIM_PREFIX", default_value = "dev")]
+    prefix: String,
+    /// Seeds the simulation (the Device resources do not depend on it).
+    #[arg(long, env = "EDGEFLEET_SIM_SEED", default_value_t = 1)]
+    seed: u64,
+}
+
+impl FleetArgs {
+    fn spec(&self, nodes: Vec<String>) -> FleetSpec {
+        FleetSpec {
+            prefix: self.prefix.clone(),
+            devices: self.devices,
+            nodes,
+            models: self.models.clone(),
+            mqtt_every: self.mqtt_every,
+        }
+    }
+}
+
+#[derive(Debug, Args)]
+struct DevicesArgs {
+    #[command(flatten)]
+    fleet: FleetArgs,
+    /// A node to put devices on, round-robin (repeat for more). `NAME=...`
+    /// is accepted too, so one EDGEFLEET_SIM_NODE serves both subcommands.
+    #[arg(
+        long = "node",
+        env = "EDGEFLEET_SIM_NODE",
+        value_delimiter = ' ',
+        required = true,
+        value_parser = node_name
+    )]
+    nodes: Vec<String>,
+}
+
+#[derive(Debug, Args)]
+struct RunArgs {
+    #[command(flatten)]
+    fleet: FleetArgs,
+    /// A node and its endpoints, NAME=COAP_HOST:PORT,MQTT_HOST:PORT (repeat
+    /// for more; space-separated in the environment variable).
+    #[arg(
+        long = "node",
+        env = "EDGEFLEET_SIM_NODE",
+        value_delimiter = ' ',
+        required = true
+    )]
+    nodes: Vec<NodeEndpoint>,
+    /// How often each device reports; first reports are spread over it.
+    #[arg(long, env = "EDGEFLEET_SIM_REPORT_INTERVAL", default_value = "10s", value_parser = parse_duration)]
+    report_interval: Duration,
+    /// How often to print the summary line to stderr (0: only at the end).
+    #[arg(long, env = "EDGEFLEET_SIM_SUMMARY_INTERVAL", default_value = "5s", value_parser = parse_duration)]
+    summary_interval: Duration,
+    /// Append a JSON line per applied desired state to this file.
+    #[arg(long, env = "EDGEFLEET_SIM_APPLIED_LOG")]
+    applied_log: Option<PathBuf>,
+    /// Stop after this long (default: run until Ctrl-C or SIGTERM).
+    #[arg(long, env = "EDGEFLEET_SIM_DURATION", value_parser = parse_duration)]
+    duration: Option<Duration>,
+    /// CoAP ACK_TIMEOUT: the shortest wait before a retransmission.
+    #[arg(long, env = "EDGEFLEET_SIM_COAP_ACK_TIMEOUT", default_value = "2s", value_parser = parse_duration)]
+    coap_ack_timeout: Duration,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    match Cli::parse().command {
+        Command::Devices(args) => print_devices(&args),
+        Command::Run(args) => simulate(args).await,
+    }
+}
+
+fn print_devices(args: &DevicesArgs) -> anyhow::Result<()> {
+    let slots = args.fleet.spec(args.nodes.clone()).layout()?;
+    let mut out = io::BufWriter::new(io::stdout().lock());
+    let written =
+        manifest::write_devices(&mut out, &args.fleet.namespace, &slots).and_then(|()| out.flush());
+    match written {
+        // The reader went away (`| head`): not our problem.
+        Err(e) if e.kind() == io::ErrorKind::BrokenPipe => Ok(()),
+        other => other.context("writing the Device resources"),
+    }
+}
+
+async fn simulate(args: RunArgs) -> anyhow::Result<()> {
+    edgefleet_shared::telemetry::init_logging();
+    if args.report_interval.is_zero() {
+        bail!("--report-interval must be more than zero");
+    }
+    let nodes = args.nodes.iter().map(|n| n.name.clone()).collect();
+    let config = RunConfig {
+        fleet: args.fleet.spec(nodes),
+        namespace: args.fleet.namespace.clone(),
+        endpoints: args.nodes,
+        seed: args.fleet.seed,
+        report_interval: args.report_interval,
+        summary_interval: (!args.summary_interval.is_zero()).then_some(args.summary_interval),
+        applied_log: args.applied_log,
+        retransmit: RetransmitParams {
+            ack_timeout: args.coap_ack_timeout,
+            ..RetransmitParams::default()
+        },
+    };
+    let shutdown = shutdown_signal(args.duration)?;
+    let summary = edgefleet_sim::run(config, shutdown).await?;
+    eprintln!("edgefleet-sim: final: {summary}");
+    Ok(())
+}
+
+/// Resolves on Ctrl-C, SIGTERM, or once `duration` has passed.
+fn shutdown_signal(duration: Option<Duration>) -> anyhow::Result<impl Future<Output = ()>> {
+    let mut terminate =
+        signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    Ok(async move {
+        let elapsed = async {
+            match duration {
+                Some(duration) => tokio::time::sleep(duration).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => tracing::info!("interrupted; stopping"),
+            _ = terminate.recv() => tracing::info!("terminated; stopping"),
+            () = elapsed => tracing::info!("duration elapsed; stopping"),
+        }
+    })
 }

@@ -1,0 +1,186 @@
+//! One MQTT session per node, shared by all of the node's devices.
+//!
+//! The session subscribes to the retained desired states of every device of
+//! the namespace on the node (`edgefleet/<node>/<namespace>/+/desired`, QoS 1)
+//! and hands each one to its device through a [`watch`] channel: a device only
+//! ever needs the latest desired state, and a watch channel never blocks the
+//! session, however slow the device. Devices whose transport is MQTT publish
+//! their reports through the same client; their PUBACKs are counted here.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use edgefleet_shared::codec::{self, CodecError, DesiredState};
+use edgefleet_shared::topics;
+use rumqttc::{AsyncClient, Event, EventLoop, MqttOptions, Outgoing, Packet, QoS};
+use tokio::sync::watch;
+
+use crate::summary::Stats;
+
+/// How long to wait before reconnecting to the broker.
+const RECONNECT_DELAY: Duration = Duration::from_secs(1);
+
+/// Requests (publishes, subscribes) queued for the event loop at most.
+const REQUEST_QUEUE: usize = 1024;
+
+/// What a device is told through its desired topic.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Inbox {
+    /// Its desired state.
+    Desired(DesiredState),
+    /// Its Device was deleted (an empty retained message).
+    Deleted,
+}
+
+impl Inbox {
+    /// Decodes the payload of a desired-state message.
+    pub fn decode(payload: &[u8]) -> Result<Self, CodecError> {
+        if payload.is_empty() {
+            Ok(Inbox::Deleted)
+        } else {
+            codec::decode(payload).map(Inbox::Desired)
+        }
+    }
+}
+
+/// Where the session delivers each desired topic: the device's inbox.
+pub type Routes = HashMap<String, watch::Sender<Option<Inbox>>>;
+
+/// The filter for every desired state of `namespace` on `node`.
+pub fn desired_filter(node: &str, namespace: &str) -> String {
+    format!("{}/{node}/{namespace}/+/desired", topics::ROOT)
+}
+
+/// A client for the broker at `host:port`, and the event loop that must be
+/// driven (see [`drive`]) for it to do anything.
+pub fn connect(client_id: &str, host: &str, port: u16) -> (AsyncClient, EventLoop) {
+    let mut options = MqttOptions::new(client_id, host, port);
+    options
+        .set_keep_alive(Duration::from_secs(30))
+        .set_clean_session(true);
+    AsyncClient::new(options, REQUEST_QUEUE)
+}
+
+/// Drives the session until `stop` turns true: (re)subscribes on every
+/// connection, routes desired states to devices, counts PUBACKs, reconnects
+/// after errors. Disconnects politely on the way out.
+pub async fn drive(
+    mut eventloop: EventLoop,
+    client: AsyncClient,
+    filter: String,
+    routes: Routes,
+    stats: Arc<Stats>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut connected = false;
+    // Whether the next connection error starts an outage worth a warning.
+    let mut healthy = true;
+    loop {
+        let event = tokio::select! {
+            _ = stop.wait_for(|stop| *stop) => break,
+            event = eventloop.poll() => event,
+        };
+        match event {
+            Ok(Event::Incoming(Packet::ConnAck(_))) => {
+                connected = true;
+                healthy = true;
+                tracing::debug!(%filter, "MQTT connected, subscribing");
+                // Through a task: the request queue may be full of reports,
+                // and only this loop drains it.
+                let client = client.clone();
+                let filter = filter.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = client.subscribe(filter, QoS::AtLeastOnce).await {
+                        tracing::warn!(error = %e, "MQTT subscribe failed");
+                    }
+                });
+            }
+            Ok(Event::Incoming(Packet::Publish(publish))) => {
+                let Some(inbox) = routes.get(&publish.topic) else {
+                    // A device of this node and namespace that this
+                    // simulation does not run.
+                    continue;
+                };
+                match Inbox::decode(&publish.payload) {
+                    Ok(message) => {
+                        inbox.send_replace(Some(message));
+                    }
+                    Err(e) => {
+                        stats.desired_malformed();
+                        tracing::warn!(topic = %publish.topic, error = %e, "malformed desired state");
+                    }
+                }
+            }
+            Ok(Event::Incoming(Packet::PubAck(_))) => stats.report_acknowledged(),
+            Ok(_) => {}
+            Err(e) => {
+                if healthy {
+                    tracing::warn!(error = %e, "MQTT connection failed; retrying every second");
+                } else {
+                    tracing::debug!(error = %e, "MQTT connection failed again");
+                }
+                connected = false;
+                healthy = false;
+                tokio::select! {
+                    _ = stop.wait_for(|stop| *stop) => break,
+                    () = tokio::time::sleep(RECONNECT_DELAY) => {}
+                }
+            }
+        }
+    }
+    if connected {
+        disconnect(&mut eventloop, &client).await;
+    }
+}
+
+/// Sends DISCONNECT and drives the event loop until it is out (or a second
+/// has passed).
+async fn disconnect(eventloop: &mut EventLoop, client: &AsyncClient) {
+    if client.try_disconnect().is_err() {
+        return;
+    }
+    let flushed = async {
+        loop {
+            match eventloop.poll().await {
+                Ok(Event::Outgoing(Outgoing::Disconnect)) | Err(_) => break,
+                Ok(_) => {}
+            }
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(1), flushed).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use edgefleet_shared::ResourceKey;
+    use edgefleet_shared::codec::encode;
+
+    use super::*;
+
+    #[test]
+    fn the_filter_matches_the_desired_topics_of_the_namespace() {
+        let filter = desired_filter("edge-1", "plant");
+        assert_eq!(filter, "edgefleet/edge-1/plant/+/desired");
+        let topic = topics::desired("edge-1", &ResourceKey::device("plant", "t1"));
+        let (f, t): (Vec<_>, Vec<_>) = (filter.split('/').collect(), topic.split('/').collect());
+        assert_eq!(f.len(), t.len());
+        assert!(f.iter().zip(&t).all(|(f, t)| *f == "+" || f == t));
+    }
+
+    #[test]
+    fn an_empty_payload_means_deleted() {
+        assert_eq!(Inbox::decode(&[]).unwrap(), Inbox::Deleted);
+
+        let desired = DesiredState {
+            generation: 2,
+            properties: Default::default(),
+            firmware: None,
+        };
+        assert_eq!(
+            Inbox::decode(&encode(&desired).unwrap()).unwrap(),
+            Inbox::Desired(desired)
+        );
+        assert!(Inbox::decode(&[0xff, 0x00]).is_err());
+    }
+}

@@ -1,0 +1,404 @@
+//! The simulation at run time: one task per device, and per node one CoAP
+//! client (one UDP socket) and one MQTT session.
+//!
+//! A device task owns its [`SimDevice`]. It wakes up when a desired state
+//! arrives (applies it and reports at once), when its report is due (every
+//! report interval, the first one spread over the interval), when a firmware
+//! install completes (reports the new version at once) and when its report in
+//! flight finishes. It keeps at most one report in flight: a report due
+//! meanwhile is sent, with the then-current state, once the previous one is
+//! done.
+
+use std::collections::HashSet;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use edgefleet_shared::ResourceKey;
+use edgefleet_shared::api::Transport;
+use edgefleet_shared::codec::{self, DesiredState};
+use edgefleet_shared::topics;
+use rand::RngExt;
+use rumqttc::{AsyncClient, QoS};
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use crate::applied_log::{AppliedEntry, AppliedLog};
+use crate::coap::{CoapClient, ExchangeError, Request};
+use crate::config::{NodeEndpoint, RunConfig};
+use crate::device::{Applied, Purpose, SimDevice, device_rng};
+use crate::fleet::DeviceSlot;
+use crate::model::SimRng;
+use crate::mqtt::{self, Inbox, Routes};
+use crate::retransmit::RetransmitParams;
+use crate::summary::{Stats, Summary};
+
+/// A report on its way; resolves once it is acknowledged, refused or failed.
+type InFlight = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// Runs the simulation until `shutdown` resolves, then stops every device
+/// and returns the final counters.
+///
+/// Periodic summaries go to stderr if `config.summary_interval` is set.
+pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> anyhow::Result<Summary> {
+    let slots = config.fleet.layout()?;
+    validate(&config)?;
+
+    let stats = Arc::new(Stats::default());
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let (applied_log, log_writer) = match &config.applied_log {
+        Some(path) => {
+            let (log, writer) = AppliedLog::open(path)
+                .with_context(|| format!("opening the applied log {}", path.display()))?;
+            (Some(log), Some(writer))
+        }
+        None => (None, None),
+    };
+    let start = Instant::now();
+    let mut tasks = JoinSet::new();
+
+    for endpoint in &config.endpoints {
+        let node_slots: Vec<_> = slots.iter().filter(|s| s.node == endpoint.name).collect();
+        let node = NodeContext {
+            config: &config,
+            endpoint,
+            start,
+            stats: &stats,
+            applied_log: applied_log.as_ref(),
+            stop: &stop_rx,
+        };
+        node.spawn(&node_slots, &mut tasks).await?;
+        stats.add_devices(node_slots.len() as u64);
+    }
+    tracing::info!(
+        devices = slots.len(),
+        nodes = config.endpoints.len(),
+        "simulation running"
+    );
+    if let Some(every) = config.summary_interval {
+        tasks.spawn(print_summaries(every, Arc::clone(&stats), stop_rx.clone()));
+    }
+
+    shutdown.await;
+    stop_tx.send_replace(true);
+    while let Some(result) = tasks.join_next().await {
+        if let Err(e) = result
+            && e.is_panic()
+        {
+            std::panic::resume_unwind(e.into_panic());
+        }
+    }
+    drop(applied_log);
+    if let Some(writer) = log_writer {
+        writer
+            .await
+            .context("the applied-log writer panicked")?
+            .context("writing the applied log")?;
+    }
+    Ok(stats.snapshot())
+}
+
+/// Every node of the fleet needs exactly one endpoint, and devices need
+/// time between reports.
+fn validate(config: &RunConfig) -> anyhow::Result<()> {
+    if config.report_interval.is_zero() {
+        bail!("the report interval must be more than zero");
+    }
+    let mut names = HashSet::new();
+    for endpoint in &config.endpoints {
+        if !names.insert(endpoint.name.as_str()) {
+            bail!("node {} is given twice", endpoint.name);
+        }
+    }
+    for node in &config.fleet.nodes {
+        if !names.contains(node.as_str()) {
+            bail!("node {node} has no endpoint (NAME=COAP_ADDR,MQTT_HOST:PORT)");
+        }
+    }
+    Ok(())
+}
+
+/// What the devices of one node share.
+struct NodeContext<'a> {
+    config: &'a RunConfig,
+    endpoint: &'a NodeEndpoint,
+    start: Instant,
+    stats: &'a Arc<Stats>,
+    applied_log: Option<&'a AppliedLog>,
+    stop: &'a watch::Receiver<bool>,
+}
+
+impl NodeContext<'_> {
+    /// Opens the node's CoAP client and MQTT session and spawns its devices
+    /// and the session's event loop.
+    async fn spawn(&self, slots: &[&DeviceSlot], tasks: &mut JoinSet<()>) -> anyhow::Result<()> {
+        let node = &self.endpoint.name;
+        let agent = tokio::net::lookup_host(&self.endpoint.coap)
+            .await
+            .ok()
+            .and_then(|mut addrs| addrs.next())
+            .with_context(|| format!("cannot resolve {} (CoAP of {node})", self.endpoint.coap))?;
+        // Random first message id and token, so a restarted simulator does
+        // not repeat ids the agent still remembers.
+        let coap = Arc::new(
+            CoapClient::connect(agent, rand::random(), rand::random())
+                .await
+                .with_context(|| format!("opening a UDP socket to {agent}"))?,
+        );
+        let client_id = format!("edgefleet-sim-{}-{node}", std::process::id());
+        let (mqtt, eventloop) = mqtt::connect(
+            &client_id,
+            &self.endpoint.mqtt_host,
+            self.endpoint.mqtt_port,
+        );
+
+        let mut routes = Routes::new();
+        for slot in slots {
+            let key = ResourceKey::device(&self.config.namespace, &slot.name);
+            let (inbox_tx, inbox) = watch::channel(None);
+            routes.insert(topics::desired(node, &key), inbox_tx);
+            let reporter = match slot.transport {
+                Transport::Coap => Reporter::Coap {
+                    client: Arc::clone(&coap),
+                    namespace: key.namespace.clone(),
+                    name: key.name.clone(),
+                    params: self.config.retransmit,
+                },
+                Transport::Mqtt => Reporter::Mqtt {
+                    client: mqtt.clone(),
+                    topic: topics::report(node, &key),
+                },
+            };
+            let device = DeviceTask {
+                id: format!("{}/{}", key.namespace, key.name),
+                device: SimDevice::new(slot.model, self.config.seed, slot.index),
+                net_rng: device_rng(self.config.seed, slot.index, Purpose::Network),
+                inbox,
+                reporter,
+                report_interval: self.config.report_interval,
+                start: self.start,
+                stats: Arc::clone(self.stats),
+                applied_log: self.applied_log.cloned(),
+                stop: self.stop.clone(),
+            };
+            tasks.spawn(device.run());
+        }
+        tasks.spawn(mqtt::drive(
+            eventloop,
+            mqtt,
+            mqtt::desired_filter(node, &self.config.namespace),
+            routes,
+            Arc::clone(self.stats),
+            self.stop.clone(),
+        ));
+        Ok(())
+    }
+}
+
+/// How a device sends its reports.
+enum Reporter {
+    /// CoAP POST to the node's agent.
+    Coap {
+        client: Arc<CoapClient>,
+        namespace: String,
+        name: String,
+        params: RetransmitParams,
+    },
+    /// MQTT publish (QoS 1) to the device's report topic.
+    Mqtt { client: AsyncClient, topic: String },
+}
+
+impl Reporter {
+    /// Starts sending `payload`; the future counts how it ended.
+    fn send(&self, payload: Vec<u8>, rng: &mut SimRng, stats: Arc<Stats>) -> InFlight {
+        stats.report_sent();
+        match self {
+            Reporter::Coap {
+                client,
+                namespace,
+                name,
+                params,
+            } => {
+                let request = Request::report(namespace, name, payload);
+                let retransmission = params.start(rng);
+                let client = Arc::clone(client);
+                Box::pin(async move {
+                    let exchange = client.request(&request, retransmission).await;
+                    stats.retransmitted(exchange.retransmissions.into());
+                    match exchange.result {
+                        Ok(response) if response.is_success() => stats.report_acknowledged(),
+                        Ok(response) => {
+                            let code = response.code.to_string();
+                            tracing::debug!(path = ?request.path, %code, "report refused");
+                            stats.report_refused(&code);
+                        }
+                        // Shutting down: the report is neither here nor there.
+                        Err(ExchangeError::Closed) => {}
+                        Err(e) => {
+                            tracing::debug!(path = ?request.path, error = %e, "report failed");
+                            stats.report_failed();
+                        }
+                    }
+                })
+            }
+            Reporter::Mqtt { client, topic } => {
+                let (client, topic) = (client.clone(), topic.clone());
+                Box::pin(async move {
+                    // Acknowledgements (PUBACK) are counted by the session.
+                    if let Err(e) = client
+                        .publish(&topic, QoS::AtLeastOnce, false, payload)
+                        .await
+                    {
+                        tracing::debug!(%topic, error = %e, "report publish failed");
+                        stats.report_failed();
+                    }
+                })
+            }
+        }
+    }
+}
+
+/// Why a device task woke up.
+enum Wake {
+    /// The simulation is stopping.
+    Stop,
+    /// A message arrived in the inbox.
+    Inbox,
+    /// The periodic report is due.
+    ReportDue,
+    /// A firmware install completes.
+    InstallDue,
+    /// The report in flight finished.
+    ReportDone,
+}
+
+/// One simulated device at run time.
+struct DeviceTask {
+    /// `<namespace>/<name>`.
+    id: String,
+    device: SimDevice,
+    net_rng: SimRng,
+    inbox: watch::Receiver<Option<Inbox>>,
+    reporter: Reporter,
+    report_interval: Duration,
+    start: Instant,
+    stats: Arc<Stats>,
+    applied_log: Option<AppliedLog>,
+    stop: watch::Receiver<bool>,
+}
+
+impl DeviceTask {
+    async fn run(mut self) {
+        let first = self
+            .report_interval
+            .mul_f64(self.net_rng.random_range(0.0..1.0));
+        // `None` while the Device is deleted: no periodic reports.
+        let mut next_report = Some(self.start + first);
+        let mut in_flight: Option<InFlight> = None;
+        let mut report_due = false;
+        loop {
+            let install_due = self.device.install_due().map(|at| self.start + at);
+            let wake = tokio::select! {
+                _ = self.stop.wait_for(|stop| *stop) => Wake::Stop,
+                changed = self.inbox.changed() => match changed {
+                    Ok(()) => Wake::Inbox,
+                    // The node's session is gone: the simulation is ending.
+                    Err(_) => Wake::Stop,
+                },
+                () = sleep_until(next_report) => Wake::ReportDue,
+                () = sleep_until(install_due) => Wake::InstallDue,
+                () = async { in_flight.as_mut().expect("guarded by the precondition").await },
+                    if in_flight.is_some() => Wake::ReportDone,
+            };
+            match wake {
+                Wake::Stop => break,
+                Wake::Inbox => {
+                    let message = self.inbox.borrow_and_update().clone();
+                    match message {
+                        Some(Inbox::Desired(desired)) => {
+                            if self.apply(&desired) == Applied::New {
+                                report_due = true;
+                            }
+                            next_report
+                                .get_or_insert_with(|| Instant::now() + self.report_interval);
+                        }
+                        Some(Inbox::Deleted) => {
+                            self.device.forget();
+                            self.stats.desired_deleted();
+                            next_report = None;
+                            report_due = false;
+                        }
+                        None => {}
+                    }
+                }
+                Wake::ReportDue => {
+                    report_due = true;
+                    next_report = Some(Instant::now() + self.report_interval);
+                }
+                Wake::InstallDue => {
+                    self.device.advance(self.start.elapsed());
+                    report_due = true;
+                }
+                Wake::ReportDone => in_flight = None,
+            }
+            if report_due && in_flight.is_none() {
+                report_due = false;
+                in_flight = self.report();
+                next_report = next_report.map(|_| Instant::now() + self.report_interval);
+            }
+        }
+    }
+
+    /// Applies a desired state, counting and logging a new one.
+    fn apply(&mut self, desired: &DesiredState) -> Applied {
+        let applied = self.device.apply(desired, self.start.elapsed());
+        if applied == Applied::New {
+            self.stats.desired_applied();
+            if let Some(log) = &self.applied_log {
+                log.record(AppliedEntry::now(self.id.clone(), desired.generation));
+            }
+        }
+        applied
+    }
+
+    /// Starts a report of the current state.
+    fn report(&mut self) -> Option<InFlight> {
+        self.device.advance(self.start.elapsed());
+        match codec::encode(&self.device.report()) {
+            Ok(payload) => Some(self.reporter.send(
+                payload,
+                &mut self.net_rng,
+                Arc::clone(&self.stats),
+            )),
+            Err(e) => {
+                tracing::warn!(device = %self.id, error = %e, "cannot encode the report");
+                self.stats.report_sent();
+                self.stats.report_failed();
+                None
+            }
+        }
+    }
+}
+
+/// Sleeps until `deadline`, or forever if there is none.
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Prints the summary line to stderr every `every` until stopped.
+async fn print_summaries(every: Duration, stats: Arc<Stats>, mut stop: watch::Receiver<bool>) {
+    let mut ticks = tokio::time::interval_at(Instant::now() + every, every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.wait_for(|stop| *stop) => break,
+            _ = ticks.tick() => eprintln!("edgefleet-sim: {}", stats.snapshot()),
+        }
+    }
+}
