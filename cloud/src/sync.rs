@@ -11,9 +11,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use edgefleet_shared::proto::{self, agent_message, cloud_message, resource, uplink_entry};
+use edgefleet_shared::telemetry::Outcomes;
 use edgefleet_shared::{ResourceKey, ResourceVersion};
 use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
@@ -41,7 +41,7 @@ pub struct SyncMetrics {
     /// Uplink entries received.
     pub uplink_entries: Counter,
     /// What was refused, by reason.
-    pub refused: Family<Vec<(String, String)>, Counter>,
+    pub refused: Outcomes,
     /// Nacks received.
     pub nacks: Counter,
 }
@@ -61,25 +61,9 @@ impl SyncMetrics {
             "Uplink entries received",
             self.uplink_entries.clone(),
         );
-        registry.register(
-            "refused",
-            "Agent input refused, by reason",
-            self.refused.clone(),
-        );
+        self.refused
+            .register(registry, "refused", "Agent input refused, by reason");
         registry.register("nacks", "Updates agents refused", self.nacks.clone());
-    }
-
-    /// How many inputs were refused for `reason`.
-    pub fn refused(&self, reason: &str) -> u64 {
-        self.refused
-            .get_or_create(&vec![("reason".to_owned(), reason.to_owned())])
-            .get()
-    }
-
-    fn refuse(&self, reason: &str) {
-        self.refused
-            .get_or_create(&vec![("reason".to_owned(), reason.to_owned())])
-            .inc();
     }
 }
 
@@ -132,14 +116,14 @@ impl proto::sync_server::Sync for SyncService {
                 kind: Some(agent_message::Kind::Hello(hello)),
             }) => hello,
             _ => {
-                self.metrics.refuse("no_hello");
+                self.metrics.refused.inc("no_hello");
                 return Err(Status::invalid_argument(
                     "the first message must be a Hello",
                 ));
             }
         };
         if !is_node_name(&hello.node) {
-            self.metrics.refuse("bad_node_name");
+            self.metrics.refused.inc("bad_node_name");
             return Err(Status::invalid_argument(format!(
                 "node name {:?} is not a Kubernetes node name",
                 hello.node
@@ -148,7 +132,7 @@ impl proto::sync_server::Sync for SyncService {
         let mut held = BTreeMap::new();
         for h in &hello.held {
             let key: ResourceKey = h.key.parse().map_err(|e| {
-                self.metrics.refuse("bad_held_key");
+                self.metrics.refused.inc("bad_held_key");
                 Status::invalid_argument(format!("Hello from {}: {e}", hello.node))
             })?;
             let version = h.version.as_ref().ok_or_else(|| {
@@ -323,7 +307,7 @@ impl Session {
                         Err(reason) => {
                             // Refused for good: acknowledge it so the agent
                             // does not resend it forever.
-                            self.metrics.refuse(reason);
+                            self.metrics.refused.inc(reason);
                             let _ = done.send(completion.seq);
                         }
                     }
@@ -344,7 +328,7 @@ impl Session {
                 }
             }
             Some(agent_message::Kind::Hello(_)) => return Err("a second Hello".into()),
-            None => self.metrics.refuse("empty_message"),
+            None => self.metrics.refused.inc("empty_message"),
         }
         Ok(())
     }

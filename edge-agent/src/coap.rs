@@ -23,8 +23,7 @@ use coap_lite::{
 };
 use edgefleet_shared::ResourceKey;
 use edgefleet_shared::codec::{self, CodecError, DesiredState, DeviceReport};
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
+use edgefleet_shared::telemetry::Outcomes;
 use tokio::net::UdpSocket;
 
 use crate::store::Store;
@@ -122,26 +121,11 @@ impl RecentExchanges {
     }
 }
 
-/// The CoAP server's counters: requests by outcome.
+/// The CoAP server's counters.
 #[derive(Debug, Default)]
 pub struct CoapMetrics {
-    /// Requests by `outcome` (`stored`, `content`, `duplicate`, or the refusal reason).
-    pub requests: Family<Vec<(String, String)>, Counter>,
-}
-
-impl CoapMetrics {
-    fn count(&self, outcome: &str) {
-        self.requests
-            .get_or_create(&vec![("outcome".to_owned(), outcome.to_owned())])
-            .inc();
-    }
-
-    /// How many requests ended with `outcome`.
-    pub fn get(&self, outcome: &str) -> u64 {
-        self.requests
-            .get_or_create(&vec![("outcome".to_owned(), outcome.to_owned())])
-            .get()
-    }
+    /// Requests by outcome (`stored`, `content`, `duplicate`, or the refusal reason).
+    pub requests: Outcomes,
 }
 
 /// Serves CoAP on `socket` until the process ends.
@@ -158,7 +142,7 @@ pub async fn serve(
     loop {
         let (len, peer) = socket.recv_from(&mut buf).await?;
         let Ok(packet) = Packet::from_bytes(&buf[..len]) else {
-            metrics.count("not_coap");
+            metrics.requests.inc("not_coap");
             continue;
         };
         if !matches!(packet.header.code, MessageClass::Request(_)) {
@@ -175,12 +159,12 @@ pub async fn serve(
             match seen {
                 Exchange::New => {}
                 Exchange::Answered(response) => {
-                    metrics.count("duplicate");
+                    metrics.requests.inc("duplicate");
                     let _ = socket.send_to(&response, peer).await;
                     continue;
                 }
                 Exchange::InProgress => {
-                    metrics.count("duplicate");
+                    metrics.requests.inc("duplicate");
                     continue;
                 }
             }
@@ -195,7 +179,7 @@ pub async fn serve(
         );
         tokio::spawn(async move {
             let (outcome, response) = handle(&packet, &store).await;
-            metrics.count(outcome);
+            metrics.requests.inc(outcome);
             let Ok(bytes) = response.to_bytes() else {
                 return;
             };
@@ -250,24 +234,8 @@ async fn report(request: &Packet, store: &Store, key: &ResourceKey) -> (&'static
         Ok(report) => report,
         Err(error) => return refuse_codec(request, error),
     };
-    match store.desired(key) {
-        Ok(Some(_)) => {}
-        Ok(None) => {
-            return refuse(
-                request,
-                "unknown_device",
-                ResponseType::NotFound,
-                format!("{key} is not a device of this node"),
-            );
-        }
-        Err(error) => {
-            return refuse(
-                request,
-                "store_error",
-                ResponseType::InternalServerError,
-                error.to_string(),
-            );
-        }
+    if let Err(refusal) = known_device(request, store, key) {
+        return refusal;
     }
     match store
         .record_report(key, report, edgefleet_shared::now_unix_ms())
@@ -287,24 +255,9 @@ async fn report(request: &Packet, store: &Store, key: &ResourceKey) -> (&'static
 }
 
 fn desired(request: &Packet, store: &Store, key: &ResourceKey) -> (&'static str, Packet) {
-    let device = match store.desired(key) {
-        Ok(Some(device)) => device,
-        Ok(None) => {
-            return refuse(
-                request,
-                "unknown_device",
-                ResponseType::NotFound,
-                format!("{key} is not a device of this node"),
-            );
-        }
-        Err(error) => {
-            return refuse(
-                request,
-                "store_error",
-                ResponseType::InternalServerError,
-                error.to_string(),
-            );
-        }
+    let device = match known_device(request, store, key) {
+        Ok(device) => device,
+        Err(refusal) => return refusal,
     };
     let state = DesiredState {
         generation: device.version.generation,
@@ -324,6 +277,30 @@ fn desired(request: &Packet, store: &Store, key: &ResourceKey) -> (&'static str,
             ResponseType::InternalServerError,
             error.to_string(),
         ),
+    }
+}
+
+/// The device's desired state, or the refusal for a device this node does
+/// not serve.
+fn known_device(
+    request: &Packet,
+    store: &Store,
+    key: &ResourceKey,
+) -> Result<crate::store::DesiredDevice, (&'static str, Packet)> {
+    match store.desired(key) {
+        Ok(Some(device)) => Ok(device),
+        Ok(None) => Err(refuse(
+            request,
+            "unknown_device",
+            ResponseType::NotFound,
+            format!("{key} is not a device of this node"),
+        )),
+        Err(error) => Err(refuse(
+            request,
+            "store_error",
+            ResponseType::InternalServerError,
+            error.to_string(),
+        )),
     }
 }
 

@@ -65,11 +65,9 @@ async fn main() -> anyhow::Result<()> {
     let store = opened.store;
 
     let coap_metrics = Arc::new(CoapMetrics::default());
-    registry.register(
-        "coap_requests",
-        "CoAP requests by outcome",
-        coap_metrics.requests.clone(),
-    );
+    coap_metrics
+        .requests
+        .register(&mut registry, "coap_requests", "CoAP requests by outcome");
     let outbox_depth = Gauge::<i64>::default();
     registry.register(
         "outbox_depth",
@@ -80,11 +78,9 @@ async fn main() -> anyhow::Result<()> {
     registry.register("devices", "Devices the agent holds", devices.clone());
 
     let mqtt_metrics = Arc::new(MqttMetrics::default());
-    registry.register(
-        "mqtt_reports",
-        "MQTT reports by outcome",
-        mqtt_metrics.reports.clone(),
-    );
+    mqtt_metrics
+        .reports
+        .register(&mut registry, "mqtt_reports", "MQTT reports by outcome");
     registry.register(
         "mqtt_desired_published",
         "Desired states published retained",

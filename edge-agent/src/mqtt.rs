@@ -13,9 +13,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use edgefleet_shared::codec::{self, CodecError, DesiredState, DeviceReport};
+use edgefleet_shared::telemetry::Outcomes;
 use edgefleet_shared::{ResourceKey, topics};
 use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
 use rumqttc::{AsyncClient, Event, EventLoop, MqttOptions, Packet, Publish, QoS};
 use tokio::sync::{Notify, broadcast, mpsc};
 
@@ -91,27 +91,12 @@ pub fn start_embedded_broker(listen: SocketAddr) -> std::io::Result<()> {
 /// Counters of the MQTT side.
 #[derive(Debug, Default)]
 pub struct MqttMetrics {
-    /// Reports received, by `outcome` (`stored` or the refusal reason).
-    pub reports: Family<Vec<(String, String)>, Counter>,
+    /// Reports received, by outcome (`stored` or the refusal reason).
+    pub reports: Outcomes,
     /// Desired states published (retained).
     pub desired_published: Counter,
     /// Retained desired states cleared for deleted devices.
     pub desired_cleared: Counter,
-}
-
-impl MqttMetrics {
-    fn count(&self, outcome: &str) {
-        self.reports
-            .get_or_create(&vec![("outcome".to_owned(), outcome.to_owned())])
-            .inc();
-    }
-
-    /// How many reports ended with `outcome`.
-    pub fn get(&self, outcome: &str) -> u64 {
-        self.reports
-            .get_or_create(&vec![("outcome".to_owned(), outcome.to_owned())])
-            .get()
-    }
 }
 
 /// Connects to the broker and runs until the process ends: publishes every
@@ -209,11 +194,11 @@ async fn store_reports(
             Err(Refusal::Store(error)) => {
                 // Not acknowledged: the device sends it again.
                 tracing::error!(topic = %publish.topic, %error, "could not store a report");
-                metrics.count("store_error");
+                metrics.reports.inc("store_error");
                 continue;
             }
         };
-        metrics.count(outcome);
+        metrics.reports.inc(outcome);
         // A refused report is acknowledged too: resending it cannot help.
         if let Err(error) = client.ack(&publish).await {
             tracing::warn!(%error, "could not acknowledge a report");

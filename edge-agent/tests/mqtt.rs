@@ -176,12 +176,12 @@ async fn desired_state_is_published_retained_and_reports_are_stored() {
     .await;
     assert_eq!(store.latest_report(&a).unwrap().unwrap().report, report);
     eventually("the refusals are counted", || {
-        metrics.get("malformed") == 1
-            && metrics.get("unknown_device") == 1
-            && metrics.get("too_large") == 1
+        metrics.reports.get("malformed") == 1
+            && metrics.reports.get("unknown_device") == 1
+            && metrics.reports.get("too_large") == 1
     })
     .await;
-    assert_eq!(metrics.get("stored"), 1);
+    assert_eq!(metrics.reports.get("stored"), 1);
     assert_eq!(
         store.outbox_depth(),
         1,

@@ -10,8 +10,38 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
+
+/// A counter per outcome, labelled `outcome` (`stored`, `malformed`, …):
+/// how Edgefleet counts what it did with each input, refusals included.
+#[derive(Clone, Debug, Default)]
+pub struct Outcomes(Family<Vec<(String, String)>, Counter>);
+
+impl Outcomes {
+    /// Counts one input that ended with `outcome`.
+    pub fn inc(&self, outcome: &str) {
+        self.counter(outcome).inc();
+    }
+
+    /// How many inputs ended with `outcome`.
+    pub fn get(&self, outcome: &str) -> u64 {
+        self.counter(outcome).get()
+    }
+
+    fn counter(&self, outcome: &str) -> Counter {
+        self.0
+            .get_or_create(&vec![("outcome".to_owned(), outcome.to_owned())])
+            .clone()
+    }
+
+    /// Registers the counters as `name` in `registry`.
+    pub fn register(&self, registry: &mut Registry, name: &str, help: &str) {
+        registry.register(name, help, self.0.clone());
+    }
+}
 
 /// Whether the process is ready; flipped by the process once it is.
 #[derive(Clone, Debug, Default)]

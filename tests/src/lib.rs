@@ -86,6 +86,29 @@ pub fn control_plane() -> &'static ControlPlane {
         .unwrap_or_else(|e| panic!("local control plane unavailable: {e}"))
 }
 
+/// How long [`eventually`] waits.
+pub const PATIENCE: Duration = Duration::from_secs(30);
+
+/// Polls `check` until it returns `Some`, or panics after [`PATIENCE`]
+/// naming what never happened.
+pub async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting until {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Creates a fresh namespace for one test and returns its name.
 pub async fn test_namespace(client: &Client, hint: &str) -> String {
     static NEXT: AtomicU32 = AtomicU32::new(0);

@@ -12,30 +12,10 @@ use edgefleet_shared::api::{Device, DevicePhase, DeviceSpec, Transport};
 use edgefleet_shared::codec::{self, DesiredState, DeviceReport};
 use edgefleet_shared::{PropertyValue, ResourceKey, topics};
 use edgefleet_tests::process::{Process, free_tcp_addr, free_udp_addr, http_get, metric};
-use edgefleet_tests::{control_plane, test_namespace};
+use edgefleet_tests::{PATIENCE, control_plane, eventually, test_namespace};
 use kube::Api;
 use kube::api::PostParams;
 use tokio::net::UdpSocket;
-
-const PATIENCE: Duration = Duration::from_secs(30);
-
-async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    loop {
-        if let Some(value) = check().await {
-            return value;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting until {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
 
 /// A device's side of CoAP: one confirmable request, one response.
 struct CoapDevice {

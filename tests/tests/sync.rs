@@ -13,31 +13,10 @@ use edgefleet_cloud::run::{Controller, Settings};
 use edgefleet_shared::api::{Device, DevicePhase, DeviceSpec, EdgeNode, Transport};
 use edgefleet_shared::codec::DeviceReport;
 use edgefleet_shared::{PropertyValue, ResourceKey};
-use edgefleet_tests::{control_plane, test_namespace};
+use edgefleet_tests::{control_plane, eventually, test_namespace};
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use serde_json::json;
-
-const PATIENCE: Duration = Duration::from_secs(20);
-
-/// Polls `check` until it returns `Some`, or panics after [`PATIENCE`].
-async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    loop {
-        if let Some(value) = check().await {
-            return value;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting until {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
 
 async fn start_controller(client: &Client) -> Controller {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -277,7 +256,7 @@ async fn a_report_for_a_device_of_another_node_is_refused_and_counted() {
         .await
         .unwrap();
 
-    let refused = || controller.sync_metrics.refused("unknown_device");
+    let refused = || controller.sync_metrics.refused.get("unknown_device");
     eventually("the cloud counts the refusal", || async {
         (refused() >= 1).then_some(())
     })
