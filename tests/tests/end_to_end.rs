@@ -11,7 +11,7 @@ use coap_lite::{CoapOption, MessageClass, MessageType, Packet, RequestType, Resp
 use edgefleet_shared::api::{Device, DevicePhase, DeviceSpec, Transport};
 use edgefleet_shared::codec::{self, DesiredState, DeviceReport};
 use edgefleet_shared::{PropertyValue, ResourceKey, topics};
-use edgefleet_tests::process::{Process, free_tcp_addr, free_udp_addr, http_get, metric};
+use edgefleet_tests::process::{Process, binary, free_tcp_addr, free_udp_addr, http_get, metric};
 use edgefleet_tests::{PATIENCE, control_plane, eventually, test_namespace};
 use kube::Api;
 use kube::api::PostParams;
@@ -461,4 +461,107 @@ async fn with_mosquitto_an_mqtt_device_gets_desired_state_and_its_reports_reach_
             break;
         }
     }
+}
+
+#[tokio::test]
+async fn simulated_devices_apply_their_desired_state_and_report_it_back() {
+    let mqtt = free_tcp_addr();
+    let site = Site::start("e2e-sim", Broker::Embedded(mqtt)).await;
+    let devices = site.devices();
+
+    // The simulator prints the Device resources of its fleet layout, so the
+    // resources and the simulated devices agree: 6 devices, every third on MQTT.
+    let fleet = [
+        "--namespace".to_owned(),
+        site.ns.clone(),
+        "--devices=6".into(),
+        "--mqtt-every=3".into(),
+    ];
+    let listing = std::process::Command::new(binary("edgefleet-sim"))
+        .arg("devices")
+        .args(&fleet)
+        .arg(format!("--node={}", site.node))
+        .output()
+        .unwrap();
+    assert!(
+        listing.status.success(),
+        "{}",
+        String::from_utf8_lossy(&listing.stderr)
+    );
+    let manifests: Vec<Device> = String::from_utf8(listing.stdout)
+        .unwrap()
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(manifests.len(), 6);
+    assert_eq!(
+        manifests
+            .iter()
+            .filter(|d| d.spec.transport == Transport::Mqtt)
+            .count(),
+        2
+    );
+    for device in &manifests {
+        devices
+            .create(&PostParams::default(), device)
+            .await
+            .unwrap();
+    }
+
+    let applied_log = site._data.path().join("applied.jsonl");
+    let mut args = vec!["run".to_owned()];
+    args.extend(fleet);
+    args.extend([
+        format!("--node={}={},{}", site.node, site.coap, mqtt),
+        "--report-interval=2s".into(),
+        format!("--applied-log={}", applied_log.display()),
+    ]);
+    let _sim = Process::start("edgefleet-sim", &args, &[]);
+
+    let all_applied = || async {
+        let list = devices.list(&Default::default()).await.ok()?;
+        let applied = list.items.iter().all(|d| {
+            let s = d.status.clone().unwrap_or_default();
+            s.phase == Some(DevicePhase::Applied) && s.applied_generation == d.metadata.generation
+        });
+        (list.items.len() == 6 && applied).then_some(list)
+    };
+    let list = eventually(
+        "every simulated device has applied its desired state",
+        all_applied,
+    )
+    .await;
+    let thermostat = list
+        .items
+        .iter()
+        .find(|d| d.spec.model == "thermostat")
+        .unwrap();
+    let name = thermostat.metadata.name.clone().unwrap();
+
+    // A new setpoint travels down, is applied, and comes back in status.
+    let patch = serde_json::json!({ "spec": { "desired": { "setpoint": 24.5 } } });
+    devices
+        .patch(
+            &name,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&patch),
+        )
+        .await
+        .unwrap();
+    eventually(
+        "the thermostat applied generation 2 and reports the new setpoint",
+        || async {
+            let s = devices.get(&name).await.ok()?.status?;
+            let setpoint = s.reported.get("setpoint").and_then(PropertyValue::as_f64);
+            (s.applied_generation == Some(2) && setpoint == Some(24.5)).then_some(())
+        },
+    )
+    .await;
+    let log = std::fs::read_to_string(&applied_log).unwrap();
+    assert!(
+        log.lines()
+            .any(|l| l.contains(&format!("/{name}\"")) && l.contains("\"generation\":2")),
+        "the applied log lacks {name} at generation 2:\n{log}"
+    );
 }
