@@ -4,7 +4,7 @@
 //! - `POST d/<namespace>/<name>/report` with a CBOR [`DeviceReport`]:
 //!   `2.04 Changed` once the report is durable in the store;
 //! - `GET d/<namespace>/<name>/desired`: `2.05 Content` with the CBOR
-//!   [`DesiredState`].
+//!   [`DesiredState`](edgefleet_shared::codec::DesiredState).
 //!
 //! Refusals carry the right code and a short text: `4.00` malformed,
 //! `4.04` unknown device or resource, `4.05` wrong method, `4.13` too large
@@ -22,7 +22,7 @@ use coap_lite::{
     CoapOption, ContentFormat, MessageClass, MessageType, Packet, RequestType, ResponseType,
 };
 use edgefleet_shared::ResourceKey;
-use edgefleet_shared::codec::{self, CodecError, DesiredState, DeviceReport};
+use edgefleet_shared::codec::{self, CodecError, DeviceReport};
 use edgefleet_shared::telemetry::Outcomes;
 use tokio::net::UdpSocket;
 
@@ -259,12 +259,7 @@ fn desired(request: &Packet, store: &Store, key: &ResourceKey) -> (&'static str,
         Ok(device) => device,
         Err(refusal) => return refusal,
     };
-    let state = DesiredState {
-        generation: device.version.generation,
-        properties: device.properties,
-        firmware: device.firmware,
-    };
-    match codec::encode(&state) {
+    match codec::encode(&device.to_wire()) {
         Ok(payload) => {
             let mut response = reply(request, ResponseType::Content);
             response.set_content_format(ContentFormat::ApplicationCBOR);

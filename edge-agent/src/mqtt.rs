@@ -12,7 +12,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use edgefleet_shared::codec::{self, CodecError, DesiredState, DeviceReport};
+use edgefleet_shared::codec::{self, CodecError, DeviceReport};
 use edgefleet_shared::telemetry::Outcomes;
 use edgefleet_shared::{ResourceKey, topics};
 use prometheus_client::metrics::counter::Counter;
@@ -283,12 +283,7 @@ async fn publish_one(
             return;
         }
     };
-    let state = DesiredState {
-        generation: device.version.generation,
-        properties: device.properties,
-        firmware: device.firmware,
-    };
-    match codec::encode(&state) {
+    match codec::encode(&device.to_wire()) {
         Ok(payload) => {
             if client
                 .publish(topics::desired(node, key), QoS::AtLeastOnce, true, payload)

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use edgefleet_shared::api::Transport;
-use edgefleet_shared::codec::{DeviceReport, FirmwareOrder};
+use edgefleet_shared::codec::{DesiredState, DeviceReport, FirmwareOrder};
 use edgefleet_shared::{PropertyValue, ResourceKey, ResourceVersion};
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 use sled::Transactional;
@@ -38,6 +38,17 @@ pub struct DesiredDevice {
     pub properties: BTreeMap<String, PropertyValue>,
     /// Desired firmware, if any.
     pub firmware: Option<FirmwareOrder>,
+}
+
+impl DesiredDevice {
+    /// What the device itself is told: the device wire format's message.
+    pub fn to_wire(&self) -> DesiredState {
+        DesiredState {
+            generation: self.version.generation,
+            properties: self.properties.clone(),
+            firmware: self.firmware.clone(),
+        }
+    }
 }
 
 /// Desired state that changed durably.
