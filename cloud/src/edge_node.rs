@@ -133,16 +133,7 @@ fn set_ready(
     message: &str,
     now: Timestamp,
 ) {
-    match conditions.iter_mut().find(|c| c.type_ == condition::READY) {
-        Some(c) if c.status == status => {
-            c.reason = reason.to_owned();
-            c.message = message.to_owned();
-        }
-        Some(c) => {
-            *c = ready(status, reason, message, now);
-        }
-        None => conditions.push(ready(status, reason, message, now)),
-    }
+    crate::conditions::set(conditions, ready(status, reason, message, now));
 }
 
 fn ready(status: &str, reason: &str, message: &str, now: Timestamp) -> Condition {

@@ -8,6 +8,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod conditions;
 pub mod crds;
 pub mod edge_node;
 pub mod index;

@@ -438,16 +438,7 @@ fn set_condition(
         observed_generation: Some(generation),
         last_transition_time: Time(now),
     };
-    match conditions.iter_mut().find(|c| c.type_ == type_) {
-        Some(c) if c.status == status => {
-            // Same state: keep the transition time, refresh the rest.
-            c.reason = wanted.reason;
-            c.message = wanted.message;
-            c.observed_generation = wanted.observed_generation;
-        }
-        Some(c) => *c = wanted,
-        None => conditions.push(wanted),
-    }
+    crate::conditions::set(conditions, wanted);
 }
 
 #[cfg(test)]
