@@ -1,6 +1,7 @@
 //! Real processes for end-to-end tests: the workspace's binaries, started
 //! with their own flags and killed when the test is done (or panics).
 
+use std::collections::BTreeSet;
 use std::net::{SocketAddr, TcpListener, UdpSocket};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -28,21 +29,37 @@ pub fn binary(name: &str) -> PathBuf {
     path
 }
 
-/// A free TCP port on loopback (there is a small window in which another
-/// process could take it; tests accept that).
+/// A free TCP port on loopback. Ports handed out once are never handed out
+/// again in this process, so tests running in parallel cannot be given the
+/// same port between one picking it and its process binding it.
 pub fn free_tcp_addr() -> SocketAddr {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
+    unclaimed(|| {
+        TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+    })
 }
 
-/// A free UDP port on loopback.
+/// A free UDP port on loopback, never handed out before in this process.
 pub fn free_udp_addr() -> SocketAddr {
-    UdpSocket::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
+    unclaimed(|| {
+        UdpSocket::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+    })
+}
+
+fn unclaimed(mut pick: impl FnMut() -> SocketAddr) -> SocketAddr {
+    static CLAIMED: Mutex<BTreeSet<u16>> = Mutex::new(BTreeSet::new());
+    let mut claimed = CLAIMED.lock().unwrap_or_else(|e| e.into_inner());
+    loop {
+        let addr = pick();
+        if claimed.insert(addr.port()) {
+            return addr;
+        }
+    }
 }
 
 /// A child process that is killed when dropped.
