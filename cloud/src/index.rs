@@ -26,9 +26,13 @@ pub struct IndexedDevice {
 }
 
 impl IndexedDevice {
-    /// Builds the entry for a Device read from the API server; `None` for an
-    /// object without uid or generation (never the case for a stored object).
+    /// Builds the entry for a Device read from the API server; `None` for a
+    /// Device being deleted (its agent must drop it) and for an object
+    /// without uid or generation (never the case for a stored object).
     pub fn from_device(device: &Device) -> Option<(ResourceKey, Self)> {
+        if device.metadata.deletion_timestamp.is_some() {
+            return None;
+        }
         let uid = device.uid()?;
         let generation = device.metadata.generation?;
         let namespace = device.namespace()?;
@@ -99,6 +103,12 @@ impl Index {
     /// agent would be sent changed (a new uid or generation).
     pub fn upsert(&self, device: &Device) {
         let Some((key, entry)) = IndexedDevice::from_device(device) else {
+            if device.metadata.deletion_timestamp.is_some() {
+                self.remove(&ResourceKey::device(
+                    device.namespace().unwrap_or_default(),
+                    device.name_any(),
+                ));
+            }
             return;
         };
         let node = device.spec.node.clone();
@@ -275,6 +285,27 @@ mod tests {
         assert!(!rx.has_changed().unwrap());
         index.upsert(&device("ns", "a", "edge-1", "ua", 2));
         assert!(rx.has_changed().unwrap());
+    }
+
+    #[test]
+    fn a_device_being_deleted_leaves_its_node() {
+        let index = Index::default();
+        index.upsert(&device("ns", "a", "edge-1", "ua", 1));
+        index.upsert(&device("ns", "b", "edge-1", "ub", 1));
+        let mut deleting = device("ns", "a", "edge-1", "ua", 1);
+        deleting.metadata.deletion_timestamp =
+            Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                k8s_openapi::jiff::Timestamp::now(),
+            ));
+        index.upsert(&deleting);
+        let slice = index.subscribe("edge-1").borrow().clone();
+        assert_eq!(
+            slice.keys().map(|k| k.name.as_str()).collect::<Vec<_>>(),
+            ["b"]
+        );
+        // A relist that still lists it (finalizer pending) does not bring it back.
+        index.replace_all([&deleting, &device("ns", "b", "edge-1", "ub", 1)]);
+        assert_eq!(index.subscribe("edge-1").borrow().len(), 1);
     }
 
     #[test]

@@ -3,15 +3,21 @@
 //! Data flows one way: the Device reflector feeds the [`index`] (desired
 //! state by edge node); the [`sync`] server turns each node's slice into
 //! updates for its agent and hands what agents report to the [`status`]
-//! writer, and keeps each agent's [`edge_node`] resource up to date; [`run`]
-//! wires them. [`crds`] renders the API definitions.
+//! writer, and keeps each agent's [`edge_node`] resource and the registry of
+//! connected [`agents`] up to date. The Device [`reconcile`]r accepts
+//! generations (`observedGeneration`) and holds a finalizer until the edge
+//! dropped a deleted Device; steps people should see become Kubernetes
+//! [`events`]. [`run`] wires them. [`crds`] renders the API definitions.
 
 #![forbid(unsafe_code)]
 
+pub mod agents;
 pub mod conditions;
 pub mod crds;
 pub mod edge_node;
+pub mod events;
 pub mod index;
+pub mod reconcile;
 pub mod run;
 pub mod status;
 pub mod sync;

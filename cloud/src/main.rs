@@ -44,6 +44,13 @@ struct RunArgs {
     /// The status write budget: most Device status writes per second.
     #[arg(long, env = "EDGEFLEET_STATUS_WRITES_PER_SECOND", default_value = "50")]
     status_writes_per_second: NonZeroU32,
+    /// Who this replica is in the Events it publishes (in a cluster: the
+    /// pod name, from the downward API).
+    #[arg(long, env = "EDGEFLEET_INSTANCE")]
+    instance: Option<String>,
+    /// Serve only the Devices of this namespace (default: all namespaces).
+    #[arg(long, env = "EDGEFLEET_NAMESPACE")]
+    namespace: Option<String>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -73,6 +80,8 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let sync_metrics = std::sync::Arc::new(edgefleet_cloud::sync::SyncMetrics::default());
     status_metrics.register(registry.sub_registry_with_prefix("status"));
     sync_metrics.register(registry.sub_registry_with_prefix("sync"));
+    let event_metrics = edgefleet_cloud::events::EventMetrics::default();
+    event_metrics.register(registry.sub_registry_with_prefix("events"));
     let endpoints = tokio::spawn(telemetry::serve(
         metrics_listener,
         registry,
@@ -84,6 +93,9 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         status_writes_per_second: args.status_writes_per_second,
         status_metrics,
         sync_metrics,
+        event_metrics,
+        instance: args.instance,
+        namespace: args.namespace,
     };
     let controller = Controller::start(client, settings).await?;
     readiness.set(true);

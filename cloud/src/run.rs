@@ -1,12 +1,13 @@
-//! Wiring: the Device reflector feeds the index and the status writer, and
-//! the sync server serves agents once the first list is in.
+//! Wiring: the Device reflector feeds the index and the status writer, the
+//! Device reconciler runs beside it, and the sync server serves agents once
+//! the first list is in.
 
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
 use std::sync::Arc;
 
 use edgefleet_shared::ResourceKey;
-use edgefleet_shared::api::Device;
+use edgefleet_shared::api::{Device, EdgeNode};
 use edgefleet_shared::proto::sync_server::SyncServer;
 use futures::StreamExt;
 use kube::runtime::reflector;
@@ -15,7 +16,10 @@ use kube::{Api, Client, ResourceExt};
 use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 
+use crate::agents::Agents;
+use crate::events::{EventMetrics, Events};
 use crate::index::Index;
+use crate::reconcile::{self, Context};
 use crate::status::{StatusMetrics, StatusWriter};
 use crate::sync::{SyncMetrics, SyncService};
 
@@ -30,6 +34,12 @@ pub struct Settings {
     pub status_metrics: StatusMetrics,
     /// The sync server's counters.
     pub sync_metrics: Arc<SyncMetrics>,
+    /// Counters of published Events.
+    pub event_metrics: EventMetrics,
+    /// Who publishes Events (the pod or host name), shown in them.
+    pub instance: Option<String>,
+    /// Serve only the Devices of this namespace (all namespaces if `None`).
+    pub namespace: Option<String>,
 }
 
 /// A running controller.
@@ -49,28 +59,65 @@ impl Controller {
     /// listed every Device and the sync server accepts agents. An agent that
     /// connected earlier would be told to drop what it holds.
     pub async fn start(client: Client, settings: Settings) -> anyhow::Result<Controller> {
+        let devices_api = match &settings.namespace {
+            Some(namespace) => Api::<Device>::namespaced(client.clone(), namespace),
+            None => Api::<Device>::all(client.clone()),
+        };
         let index = Arc::new(Index::default());
+        let agents = Arc::new(Agents::default());
+        let events = Events::new(client.clone(), settings.instance, settings.event_metrics);
         let (devices, writer) = reflector::store::<Device>();
         let status = StatusWriter::new(
             client.clone(),
             devices.clone(),
             settings.status_writes_per_second,
             settings.status_metrics,
+            events.clone(),
         );
         let mut tasks = JoinSet::new();
 
+        let (edge_nodes, edge_node_writer) = reflector::store::<EdgeNode>();
+        let edge_node_events = watcher(
+            Api::<EdgeNode>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .reflect(edge_node_writer);
+        tasks.spawn(edge_node_events.for_each(|event| async move {
+            if let Err(error) = event {
+                tracing::warn!(%error, "EdgeNode watch failed; retrying");
+            }
+        }));
+
         tasks.spawn(feed_index(
-            client.clone(),
+            devices_api.clone(),
             writer,
             Arc::clone(&index),
             status.clone(),
         ));
         tasks.spawn(status.clone().run());
         devices.wait_until_ready().await?;
+        edge_nodes.wait_until_ready().await?;
+        let context = Context::new(
+            client.clone(),
+            devices_api,
+            status.clone(),
+            events.clone(),
+            Arc::clone(&agents),
+            edge_nodes,
+        );
+        tasks.spawn(reconcile::run(Arc::new(context)));
 
         let sync_addr = settings.sync_listener.local_addr()?;
         let sync_metrics = settings.sync_metrics;
-        let service = SyncService::new(client, index, status.clone(), Arc::clone(&sync_metrics));
+        let service = SyncService::new(
+            client,
+            index,
+            status.clone(),
+            agents,
+            events,
+            Arc::clone(&sync_metrics),
+        );
         let incoming = tonic::transport::server::TcpIncoming::from(settings.sync_listener);
         tasks.spawn(async move {
             let served = tonic::transport::Server::builder()
@@ -100,13 +147,13 @@ impl Controller {
 
 /// Keeps the index equal to the Devices in the API server.
 async fn feed_index(
-    client: Client,
+    api: Api<Device>,
     writer: reflector::store::Writer<Device>,
     index: Arc<Index>,
     status: StatusWriter,
 ) {
     let mut relist = Vec::new();
-    let events = watcher(Api::<Device>::all(client), watcher::Config::default())
+    let events = watcher(api, watcher::Config::default())
         .default_backoff()
         .reflect(writer);
     futures::pin_mut!(events);

@@ -29,6 +29,8 @@ use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Api, Client};
 use tokio::sync::{Notify, mpsc};
 
+use crate::events::{Events, Note, device_reference};
+
 /// The field manager of every status write the controller makes.
 pub const FIELD_MANAGER: &str = "edgefleet-cloud";
 
@@ -56,6 +58,20 @@ pub enum StatusChange {
         firmware_version: Option<String>,
         /// When the agent received the report (Unix milliseconds).
         received_at_ms: i64,
+    },
+    /// The controller accepted this generation of the spec.
+    Observed {
+        /// The generation accepted.
+        generation: i64,
+    },
+    /// The agent refused to store this generation.
+    Rejected {
+        /// The Device's uid the agent was sent.
+        uid: String,
+        /// The generation it refused.
+        generation: i64,
+        /// The agent's reason.
+        reason: String,
     },
 }
 
@@ -139,6 +155,7 @@ struct Inner {
     wake: Notify,
     limiter: DefaultDirectRateLimiter,
     metrics: StatusMetrics,
+    events: Events,
 }
 
 impl std::fmt::Debug for Inner {
@@ -155,6 +172,7 @@ impl StatusWriter {
         devices: Store<Device>,
         writes_per_second: NonZeroU32,
         metrics: StatusMetrics,
+        events: Events,
     ) -> Self {
         StatusWriter {
             inner: Arc::new(Inner {
@@ -164,6 +182,7 @@ impl StatusWriter {
                 wake: Notify::new(),
                 limiter: RateLimiter::direct(Quota::per_second(writes_per_second)),
                 metrics,
+                events,
             }),
         }
     }
@@ -254,7 +273,16 @@ impl StatusWriter {
                 .unwrap_or_else(|| device.status.clone().unwrap_or_default())
         };
         let now = Timestamp::now();
-        let generation = device.metadata.generation.unwrap_or_default();
+        // The reconciler may have seen a generation this reflector has not
+        // caught up with yet; the status is about the newest.
+        let generation = pending
+            .changes
+            .iter()
+            .filter_map(|c| match c {
+                StatusChange::Observed { generation } => Some(*generation),
+                _ => None,
+            })
+            .fold(device.metadata.generation.unwrap_or_default(), i64::max);
         let uid = device.metadata.uid.clone().unwrap_or_default();
         let next = next_status(&base, &pending.changes, &uid, generation, now);
         if next == base {
@@ -277,6 +305,19 @@ impl StatusWriter {
         {
             Ok(_) => {
                 self.inner.metrics.writes.inc();
+                let applied =
+                    |s: &DeviceStatus| s.applied_generation.is_some_and(|a| a >= generation);
+                if applied(&next) && !applied(&base) {
+                    self.inner.events.publish(
+                        device_reference(key, &uid),
+                        Note {
+                            warning: false,
+                            reason: "Applied",
+                            action: "Report",
+                            text: "the device applied the current spec".to_owned(),
+                        },
+                    );
+                }
                 self.inner
                     .state
                     .lock()
@@ -341,6 +382,40 @@ pub fn next_status(
                 if stored == uid && next.delivered_generation.is_none_or(|d| d < *g) {
                     next.delivered_generation = Some(*g);
                 }
+                // A later generation stored means the refusal is over.
+                if let Some(failed) = next.conditions.iter_mut().find(|c| {
+                    c.type_ == condition::UPDATE_FAILED
+                        && c.status == "True"
+                        && c.observed_generation.is_some_and(|f| f <= *g)
+                }) && stored == uid
+                {
+                    failed.status = "False".to_owned();
+                    failed.reason = "Delivered".to_owned();
+                    failed.message = format!("the agent stored generation {g}");
+                    failed.last_transition_time = Time(now);
+                }
+            }
+            StatusChange::Observed { generation: g } => {
+                if next.observed_generation.is_none_or(|o| o < *g) {
+                    next.observed_generation = Some(*g);
+                }
+            }
+            StatusChange::Rejected {
+                uid: sent,
+                generation: g,
+                reason,
+            } => {
+                if sent == uid {
+                    set_condition(
+                        &mut next.conditions,
+                        condition::UPDATE_FAILED,
+                        true,
+                        "RejectedByAgent",
+                        reason,
+                        *g,
+                        now,
+                    );
+                }
             }
             StatusChange::Reported {
                 applied_generation,
@@ -367,8 +442,15 @@ pub fn next_status(
     let delivered = next.delivered_generation.is_some_and(|d| d >= generation);
     let applied = next.applied_generation.is_some_and(|a| a >= generation);
     let online = next.last_seen.is_some();
+    let failed = next.conditions.iter().any(|c| {
+        c.type_ == condition::UPDATE_FAILED
+            && c.status == "True"
+            && c.observed_generation == Some(generation)
+    });
     next.phase = Some(if applied {
         DevicePhase::Applied
+    } else if failed {
+        DevicePhase::Failed
     } else if delivered {
         DevicePhase::Delivered
     } else {
@@ -482,6 +564,75 @@ mod tests {
         let applied = s2.conditions.iter().find(|c| c.type_ == "Applied").unwrap();
         assert_eq!(applied.status, "True");
         assert_eq!(applied.observed_generation, Some(2));
+    }
+
+    #[test]
+    fn observed_generation_only_moves_forward() {
+        let s = next_status(
+            &DeviceStatus::default(),
+            &[
+                StatusChange::Observed { generation: 3 },
+                StatusChange::Observed { generation: 2 },
+            ],
+            "u",
+            3,
+            at(0),
+        );
+        assert_eq!(s.observed_generation, Some(3));
+    }
+
+    #[test]
+    fn a_refusal_fails_the_generation_until_a_later_one_is_stored() {
+        let rejected = |g: i64| StatusChange::Rejected {
+            uid: "u".into(),
+            generation: g,
+            reason: "property fan: not a bool".into(),
+        };
+        let s1 = next_status(&DeviceStatus::default(), &[rejected(2)], "u", 2, at(0));
+        assert_eq!(s1.phase, Some(DevicePhase::Failed));
+        let failed = s1
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "UpdateFailed")
+            .unwrap();
+        assert_eq!(
+            (failed.status.as_str(), failed.reason.as_str()),
+            ("True", "RejectedByAgent")
+        );
+        assert_eq!(failed.message, "property fan: not a bool");
+
+        // A refusal of another uid (a recreated Device) does not count.
+        let other = next_status(
+            &DeviceStatus::default(),
+            &[StatusChange::Rejected {
+                uid: "old".into(),
+                generation: 2,
+                reason: "x".into(),
+            }],
+            "u",
+            2,
+            at(0),
+        );
+        assert_eq!(other.phase, Some(DevicePhase::Pending));
+
+        // Generation 3 is stored: the failure is over.
+        let s2 = next_status(
+            &s1,
+            &[StatusChange::Delivered {
+                uid: "u".into(),
+                generation: 3,
+            }],
+            "u",
+            3,
+            at(1),
+        );
+        assert_eq!(s2.phase, Some(DevicePhase::Delivered));
+        let failed = s2
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "UpdateFailed")
+            .unwrap();
+        assert_eq!(failed.status, "False");
     }
 
     #[test]

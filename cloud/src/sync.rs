@@ -8,6 +8,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use edgefleet_shared::proto::{self, agent_message, cloud_message, resource, uplink_entry};
@@ -19,7 +20,9 @@ use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::agents::Agents;
 use crate::edge_node::NodeStatus;
+use crate::events::{Events, Note, device_reference};
 use crate::index::{Index, NodeSlice, difference};
 use crate::status::{Completion, StatusChange, StatusWriter};
 
@@ -73,23 +76,31 @@ pub struct SyncService {
     client: kube::Client,
     index: Arc<Index>,
     status: StatusWriter,
+    agents: Arc<Agents>,
+    events: Events,
     metrics: Arc<SyncMetrics>,
+    sessions: Arc<AtomicU64>,
 }
 
 impl SyncService {
     /// A service serving `index`, writing reports through `status` and
-    /// EdgeNodes with `client`.
+    /// EdgeNodes with `client`, keeping `agents` up to date.
     pub fn new(
         client: kube::Client,
         index: Arc<Index>,
         status: StatusWriter,
+        agents: Arc<Agents>,
+        events: Events,
         metrics: Arc<SyncMetrics>,
     ) -> Self {
         SyncService {
             client,
             index,
             status,
+            agents,
+            events,
             metrics,
+            sessions: Arc::default(),
         }
     }
 }
@@ -150,7 +161,12 @@ impl proto::sync_server::Sync for SyncService {
             tracing::warn!(node = %hello.node, %error, "could not record the EdgeNode's connection");
         }
         let (tx, rx) = mpsc::channel(16);
+        let id = self.sessions.fetch_add(1, Ordering::Relaxed);
+        self.agents.connected(&hello.node, id, held.keys().cloned());
         let session = Session {
+            id,
+            agents: Arc::clone(&self.agents),
+            events: self.events.clone(),
             node_status,
             desired: self.index.subscribe(&hello.node),
             node: hello.node,
@@ -181,13 +197,16 @@ fn is_node_name(name: &str) -> bool {
 }
 
 struct Session {
+    id: u64,
+    agents: Arc<Agents>,
+    events: Events,
     node: String,
     node_status: NodeStatus,
     desired: watch::Receiver<NodeSlice>,
     // What the agent holds once every Update sent so far is applied.
     sent: BTreeMap<ResourceKey, ResourceVersion>,
-    // Versions carried by each unacknowledged Update, by nonce.
-    in_flight: HashMap<String, Vec<(ResourceKey, ResourceVersion)>>,
+    // What each unacknowledged Update carried, by nonce.
+    in_flight: HashMap<String, InFlight>,
     next_nonce: u64,
     uplink: UplinkWatermark,
     status: StatusWriter,
@@ -226,6 +245,7 @@ impl Session {
         }
         .await;
         self.metrics.streams.dec();
+        self.agents.disconnected(&self.node, self.id);
         if let Err(error) = self.node_status.disconnected().await {
             tracing::warn!(node = %self.node, %error, "could not record the EdgeNode's disconnection");
         }
@@ -247,10 +267,11 @@ impl Session {
                 nonce: nonce.clone(),
                 ..Default::default()
             };
-            let mut versions = Vec::new();
+            let mut carried = InFlight::default();
             for key in removals.by_ref().take(MAX_RESOURCES_PER_UPDATE) {
                 self.sent.remove(&key);
                 update.removals.push(key.to_string());
+                carried.removals.push(key);
             }
             let room = MAX_RESOURCES_PER_UPDATE.saturating_sub(update.removals.len());
             for (key, entry) in upserts.by_ref().take(room) {
@@ -260,13 +281,13 @@ impl Session {
                     body: Some(resource::Body::Device(entry.desired.clone())),
                 });
                 self.sent.insert(key.clone(), entry.version.clone());
-                versions.push((key, entry.version.clone()));
+                carried.upserts.push((key, entry.version.clone()));
             }
             self.metrics.updates.inc();
             self.metrics
                 .resources_sent
                 .inc_by(update.upserts.len() as u64);
-            self.in_flight.insert(nonce, versions);
+            self.in_flight.insert(nonce, carried);
             send(tx, cloud_message::Kind::Update(update)).await?;
         }
         Ok(())
@@ -279,7 +300,14 @@ impl Session {
     ) -> Result<(), String> {
         match message.kind {
             Some(agent_message::Kind::Ack(ack)) => {
-                for (key, version) in self.in_flight.remove(&ack.nonce).unwrap_or_default() {
+                let carried = self.in_flight.remove(&ack.nonce).unwrap_or_default();
+                self.agents.acknowledged(
+                    &self.node,
+                    self.id,
+                    carried.upserts.iter().map(|(key, _)| key),
+                    &carried.removals,
+                );
+                for (key, version) in carried.upserts {
                     let change = StatusChange::Delivered {
                         uid: version.uid,
                         generation: version.generation,
@@ -289,9 +317,34 @@ impl Session {
             }
             Some(agent_message::Kind::Nack(nack)) => {
                 self.metrics.nacks.inc();
-                self.in_flight.remove(&nack.nonce);
+                let carried = self.in_flight.remove(&nack.nonce).unwrap_or_default();
                 for rejected in nack.rejected {
                     tracing::warn!(node = %self.node, key = %rejected.key, reason = %rejected.reason, "agent refused a resource");
+                    let Some((key, version)) = carried
+                        .upserts
+                        .iter()
+                        .find(|(k, _)| k.to_string() == rejected.key)
+                    else {
+                        continue;
+                    };
+                    self.events.publish(
+                        device_reference(key, &version.uid),
+                        Note {
+                            warning: true,
+                            reason: "RejectedByAgent",
+                            action: "Deliver",
+                            text: format!(
+                                "the agent of node {} refused generation {}: {}",
+                                self.node, version.generation, rejected.reason
+                            ),
+                        },
+                    );
+                    let change = StatusChange::Rejected {
+                        uid: version.uid.clone(),
+                        generation: version.generation,
+                        reason: rejected.reason,
+                    };
+                    self.status.submit(key.clone(), change, None);
                 }
             }
             Some(agent_message::Kind::Uplink(uplink)) => {
@@ -363,6 +416,13 @@ impl Session {
             },
         ))
     }
+}
+
+/// What one Update carried.
+#[derive(Debug, Default)]
+struct InFlight {
+    upserts: Vec<(ResourceKey, ResourceVersion)>,
+    removals: Vec<ResourceKey>,
 }
 
 async fn send(tx: &Outbound, kind: cloud_message::Kind) -> Result<(), String> {

@@ -123,6 +123,7 @@ impl Site {
                 "run".into(),
                 format!("--sync-addr={sync}"),
                 format!("--metrics-addr={cloud_metrics}"),
+                format!("--namespace={ns}"),
             ],
             &[("KUBECONFIG", cp.kubeconfig().display().to_string())],
         );

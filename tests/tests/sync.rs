@@ -18,7 +18,9 @@ use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use serde_json::json;
 
-async fn start_controller(client: &Client) -> Controller {
+/// A controller serving the Devices of namespace `ns` (tests run side by
+/// side on one API server; each controller minds its own namespace).
+async fn start_controller(client: &Client, ns: &str) -> Controller {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     Controller::start(
         client.clone(),
@@ -27,6 +29,9 @@ async fn start_controller(client: &Client) -> Controller {
             status_writes_per_second: NonZeroU32::new(200).unwrap(),
             status_metrics: Default::default(),
             sync_metrics: Default::default(),
+            event_metrics: Default::default(),
+            instance: Some("test".into()),
+            namespace: Some(ns.to_owned()),
         },
     )
     .await
@@ -61,7 +66,7 @@ fn node_name(hint: &str) -> String {
 async fn a_device_reaches_its_agent_and_its_report_reaches_status() {
     let client = control_plane().client().await;
     let ns = test_namespace(&client, "sync-pipeline").await;
-    let controller = start_controller(&client).await;
+    let controller = start_controller(&client, &ns).await;
     let tmp = tempfile::tempdir().unwrap();
     let store = Store::open(&tmp.path().join("store")).unwrap().store;
     let node = node_name("edge-pipeline");
@@ -147,7 +152,7 @@ async fn a_device_reaches_its_agent_and_its_report_reaches_status() {
 async fn a_reconnecting_agent_is_sent_only_the_difference() {
     let client = control_plane().client().await;
     let ns = test_namespace(&client, "sync-resync").await;
-    let controller = start_controller(&client).await;
+    let controller = start_controller(&client, &ns).await;
     let tmp = tempfile::tempdir().unwrap();
     let store = Store::open(&tmp.path().join("store")).unwrap().store;
     let node = node_name("edge-resync");
@@ -231,7 +236,7 @@ async fn a_reconnecting_agent_is_sent_only_the_difference() {
 async fn a_report_for_a_device_of_another_node_is_refused_and_counted() {
     let client = control_plane().client().await;
     let ns = test_namespace(&client, "sync-foreign").await;
-    let controller = start_controller(&client).await;
+    let controller = start_controller(&client, &ns).await;
     let tmp = tempfile::tempdir().unwrap();
     let store = Store::open(&tmp.path().join("store")).unwrap().store;
     let node = node_name("edge-honest");
@@ -272,4 +277,162 @@ async fn a_report_for_a_device_of_another_node_is_refused_and_counted() {
         "a foreign report reached status: {:?}",
         theirs.status
     );
+}
+
+/// The Events about Device `name` as (reason, note, count), oldest first.
+async fn event_reasons(client: &Client, ns: &str, name: &str) -> Vec<(String, String, i32)> {
+    use k8s_openapi::api::events::v1::Event;
+    let events: Api<Event> = Api::namespaced(client.clone(), ns);
+    let mut list: Vec<Event> = events
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
+        .collect();
+    list.sort_by_key(|e| e.metadata.creation_timestamp.clone());
+    list.into_iter()
+        .map(|e| {
+            let count = e.series.as_ref().map_or(1, |s| s.count);
+            (
+                e.reason.unwrap_or_default(),
+                e.note.unwrap_or_default(),
+                count,
+            )
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn the_reconciler_accepts_generations_and_holds_a_deletion_until_the_edge_dropped_it() {
+    let client = control_plane().client().await;
+    let ns = test_namespace(&client, "sync-reconcile").await;
+    let controller = start_controller(&client, &ns).await;
+    let tmp = tempfile::tempdir().unwrap();
+    let store = Store::open(&tmp.path().join("store")).unwrap().store;
+    let node = node_name("edge-reconcile");
+    let _agent = start_agent(&controller, &node, &store);
+    let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
+    let key = ResourceKey::device(&ns, "t1");
+
+    devices
+        .create(
+            &PostParams::default(),
+            &Device::new("t1", thermostat(&node, 20.0)),
+        )
+        .await
+        .unwrap();
+    let device = eventually("the finalizer and observedGeneration 1", || async {
+        let d = devices.get("t1").await.unwrap();
+        let observed = d.status.as_ref()?.observed_generation;
+        (observed == Some(1)).then_some(d)
+    })
+    .await;
+    assert_eq!(
+        device.metadata.finalizers,
+        Some(vec!["edgefleet.io/cleanup".to_owned()])
+    );
+
+    let patch = json!({ "spec": { "desired": { "setpoint": 22.5 } } });
+    devices
+        .patch("t1", &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
+    eventually("observedGeneration 2", || async {
+        let s = devices.get("t1").await.unwrap().status?;
+        (s.observed_generation == Some(2)).then_some(())
+    })
+    .await;
+    eventually("the device is Delivered at generation 2", || async {
+        let s = devices.get("t1").await.unwrap().status?;
+        (s.delivered_generation == Some(2) && s.phase == Some(DevicePhase::Delivered)).then_some(())
+    })
+    .await;
+    // Both generations were announced: one Event, seen twice.
+    let reasons = eventually("the Accepted Event seen twice", || async {
+        let reasons = event_reasons(&client, &ns, "t1").await;
+        let accepted: i32 = reasons
+            .iter()
+            .filter(|(r, _, _)| r == "Accepted")
+            .map(|(_, _, count)| count)
+            .sum();
+        (accepted == 2).then_some(reasons)
+    })
+    .await;
+    assert!(
+        reasons
+            .iter()
+            .any(|(r, note, _)| r == "Accepted" && note.contains(&node)),
+        "{reasons:?}"
+    );
+    assert!(
+        !reasons.iter().any(|(r, _, _)| r == "NodeNotFound"),
+        "the node's agent is connected: {reasons:?}"
+    );
+
+    // The Device is gone from the API server only once the agent dropped it.
+    devices
+        .delete("t1", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually("the Device is gone", || async {
+        devices.get_opt("t1").await.unwrap().is_none().then_some(())
+    })
+    .await;
+    assert!(
+        store.desired(&key).unwrap().is_none(),
+        "the finalizer was removed before the agent dropped the device"
+    );
+    let reasons = eventually("a Removed Event", || async {
+        let reasons = event_reasons(&client, &ns, "t1").await;
+        reasons
+            .iter()
+            .any(|(r, _, _)| r == "Removed")
+            .then_some(reasons)
+    })
+    .await;
+    assert!(
+        reasons
+            .iter()
+            .any(|(r, note, _)| r == "Removed" && note.contains("dropped")),
+        "{reasons:?}"
+    );
+
+    // A Device for a node no agent ever served: a warning, and its deletion
+    // does not wait for anyone.
+    let nowhere = node_name("edge-nowhere");
+    devices
+        .create(
+            &PostParams::default(),
+            &Device::new("lost", thermostat(&nowhere, 20.0)),
+        )
+        .await
+        .unwrap();
+    eventually("a NodeNotFound warning", || async {
+        let reasons = event_reasons(&client, &ns, "lost").await;
+        reasons
+            .iter()
+            .any(|(r, note, _)| r == "NodeNotFound" && note.contains(&nowhere))
+            .then_some(())
+    })
+    .await;
+    eventually("the finalizer is on", || async {
+        let d = devices.get("lost").await.unwrap();
+        d.metadata.finalizers.is_some().then_some(())
+    })
+    .await;
+    devices
+        .delete("lost", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually("the Device is gone", || async {
+        devices
+            .get_opt("lost")
+            .await
+            .unwrap()
+            .is_none()
+            .then_some(())
+    })
+    .await;
 }

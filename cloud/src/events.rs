@@ -1,0 +1,119 @@
+//! Kubernetes Events about Devices, for `kubectl describe` and
+//! `kubectl events`.
+//!
+//! Events mark steps of a Device's pipeline that happen once per generation
+//! (accepted, applied, refused by the agent, removed), never per report, so
+//! their rate follows spec changes, not telemetry. A step that repeats
+//! within minutes becomes one Event with a growing `series.count` (the
+//! recorder's aggregation), so notes do not name generations: those are in
+//! the Device's status. Publishing runs in its own
+//! task: a slow API server delays an Event, not a status write or a sync
+//! stream.
+
+use edgefleet_shared::ResourceKey;
+use k8s_openapi::api::core::v1::ObjectReference;
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use prometheus_client::metrics::counter::Counter;
+
+/// The `reportingController` of every Event.
+pub const CONTROLLER: &str = "edgefleet.io/cloud";
+
+/// Publishes Events. Cheap to clone.
+#[derive(Clone)]
+pub struct Events {
+    recorder: Recorder,
+    metrics: EventMetrics,
+}
+
+impl std::fmt::Debug for Events {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Events").finish_non_exhaustive()
+    }
+}
+
+/// Counters of published Events.
+#[derive(Clone, Debug, Default)]
+pub struct EventMetrics {
+    /// Events published.
+    pub published: Counter,
+    /// Events the API server refused or did not answer.
+    pub failed: Counter,
+}
+
+impl EventMetrics {
+    /// Registers the counters with `registry`.
+    pub fn register(&self, registry: &mut prometheus_client::registry::Registry) {
+        registry.register("published", "Events published", self.published.clone());
+        registry.register(
+            "failed",
+            "Events that could not be published",
+            self.failed.clone(),
+        );
+    }
+}
+
+/// How an Event reads: normal or a warning, a PascalCase reason, a note.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Note {
+    /// A warning, or a normal step.
+    pub warning: bool,
+    /// Why (PascalCase), shown as `Reason`.
+    pub reason: &'static str,
+    /// What was done (PascalCase).
+    pub action: &'static str,
+    /// The sentence people read.
+    pub text: String,
+}
+
+impl Events {
+    /// Events reported by `instance` (the pod or host name).
+    pub fn new(client: kube::Client, instance: Option<String>, metrics: EventMetrics) -> Self {
+        let reporter = Reporter {
+            controller: CONTROLLER.to_owned(),
+            instance,
+        };
+        Events {
+            recorder: Recorder::new(client, reporter),
+            metrics,
+        }
+    }
+
+    /// Publishes `note` about the object `regarding`, in the background.
+    pub fn publish(&self, regarding: ObjectReference, note: Note) {
+        let events = self.clone();
+        tokio::spawn(async move {
+            let event = Event {
+                type_: if note.warning {
+                    EventType::Warning
+                } else {
+                    EventType::Normal
+                },
+                reason: note.reason.to_owned(),
+                note: Some(note.text),
+                action: note.action.to_owned(),
+                secondary: None,
+            };
+            match events.recorder.publish(&event, &regarding).await {
+                Ok(()) => {
+                    events.metrics.published.inc();
+                }
+                Err(error) => {
+                    events.metrics.failed.inc();
+                    tracing::warn!(object = ?regarding.name, reason = note.reason, %error, "could not publish an Event");
+                }
+            }
+        });
+    }
+}
+
+/// A reference to the Device `key` with `uid`, for an Event about it.
+pub fn device_reference(key: &ResourceKey, uid: &str) -> ObjectReference {
+    ObjectReference {
+        api_version: Some("edgefleet.io/v1alpha1".to_owned()),
+        kind: Some("Device".to_owned()),
+        namespace: Some(key.namespace.clone()),
+        name: Some(key.name.clone()),
+        uid: Some(uid.to_owned()),
+        ..ObjectReference::default()
+    }
+}
