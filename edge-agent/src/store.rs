@@ -125,6 +125,7 @@ pub struct Store {
     outbox_changed: Arc<Notify>,
     // Every durable change of desired state, for the device-side publishers.
     desired_changes: broadcast::Sender<DesiredChange>,
+    flusher: GroupFlush,
     db: sled::Db,
     desired: sled::Tree,
     reported: sled::Tree,
@@ -182,6 +183,7 @@ impl Store {
         let store = Store {
             outbox_changed: Arc::new(Notify::new()),
             desired_changes: broadcast::Sender::new(DESIRED_CHANGES_BUFFER),
+            flusher: GroupFlush::start(db.clone()),
             desired: tree("desired")?,
             reported: tree("reported")?,
             outbox: tree("outbox")?,
@@ -251,7 +253,7 @@ impl Store {
             batch.remove(key.to_string().as_bytes());
         }
         self.desired.apply_batch(batch)?;
-        self.db.flush_async().await?;
+        self.flusher.flush().await?;
         // Nobody listening is fine: publishers read the store when they start.
         let _ = self.desired_changes.send(DesiredChange {
             upserted: upserts.iter().map(|(k, _)| k.clone()).collect(),
@@ -302,7 +304,7 @@ impl Store {
             TransactionError::Abort(e) => e,
             TransactionError::Storage(e) => StoreError::Sled(e),
         })?;
-        self.db.flush_async().await?;
+        self.flusher.flush().await?;
         self.outbox_changed.notify_one();
         Ok(seq)
     }
@@ -361,13 +363,68 @@ impl Store {
             removed += 1;
         }
         self.outbox.apply_batch(batch)?;
-        self.db.flush_async().await?;
+        self.flusher.flush().await?;
         Ok(removed)
     }
 
     /// Entries waiting in the outbox.
     pub fn outbox_depth(&self) -> usize {
         self.outbox.len()
+    }
+}
+
+/// Makes writes durable, many callers at a time: one thread runs sled's
+/// blocking `flush`, and every caller waiting when a flush starts is
+/// answered by it (group commit), so a burst of reports costs a few fsyncs,
+/// not one each.
+///
+/// This replaces `Db::flush_async`, which deadlocks when called
+/// concurrently in sled 0.34 (spacejam/sled#1308, #1241) — what a CoAP
+/// server answering many devices at once does.
+#[derive(Clone, Debug)]
+struct GroupFlush {
+    db: sled::Db,
+    requests: std::sync::mpsc::Sender<FlushRequest>,
+}
+
+/// A caller waiting for durability, with a handle on the database. The
+/// thread holds no handle between flushes, so dropping the last `Store`
+/// closes the database at once (a reopen right after does not find it
+/// locked).
+type FlushRequest = (
+    sled::Db,
+    tokio::sync::oneshot::Sender<Result<(), sled::Error>>,
+);
+
+impl GroupFlush {
+    /// Starts the flushing thread; it ends once every handle is dropped.
+    fn start(db: sled::Db) -> Self {
+        let (requests, waiting) = std::sync::mpsc::channel::<FlushRequest>();
+        std::thread::Builder::new()
+            .name("store-flush".into())
+            .spawn(move || {
+                while let Ok(first) = waiting.recv() {
+                    let mut batch = vec![first];
+                    batch.extend(waiting.try_iter());
+                    let result = batch[0].0.flush().map(drop);
+                    let waiters: Vec<_> = batch.into_iter().map(|(_, waiter)| waiter).collect();
+                    for waiter in waiters {
+                        let _ = waiter.send(result.clone());
+                    }
+                }
+            })
+            .expect("spawn the store's flush thread");
+        GroupFlush { db, requests }
+    }
+
+    /// Resolves once everything written before the call is on disk.
+    async fn flush(&self) -> Result<(), sled::Error> {
+        let gone = || sled::Error::ReportableBug("the flush thread is gone".into());
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.requests
+            .send((self.db.clone(), tx))
+            .map_err(|_| gone())?;
+        rx.await.map_err(|_| gone())?
     }
 }
 
