@@ -25,6 +25,9 @@ pub struct RunConfig {
     pub summary_interval: Option<Duration>,
     /// Where to append a JSON line per applied desired state.
     pub applied_log: Option<PathBuf>,
+    /// Where to write, at exit, each device's last report the agent
+    /// acknowledged (one JSON line per device).
+    pub final_state: Option<PathBuf>,
     /// CoAP retransmission parameters.
     pub retransmit: RetransmitParams,
 }

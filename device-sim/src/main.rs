@@ -117,6 +117,10 @@ struct RunArgs {
     /// Append a JSON line per applied desired state to this file.
     #[arg(long, env = "EDGEFLEET_SIM_APPLIED_LOG")]
     applied_log: Option<PathBuf>,
+    /// At exit, write each device's last acknowledged report to this file
+    /// (one JSON line per device), to compare with Device status.
+    #[arg(long, env = "EDGEFLEET_SIM_FINAL_STATE")]
+    final_state: Option<PathBuf>,
     /// Stop after this long (default: run until Ctrl-C or SIGTERM).
     #[arg(long, env = "EDGEFLEET_SIM_DURATION", value_parser = parse_duration)]
     duration: Option<Duration>,
@@ -159,6 +163,7 @@ async fn simulate(args: RunArgs) -> anyhow::Result<()> {
         report_interval: args.report_interval,
         summary_interval: (!args.summary_interval.is_zero()).then_some(args.summary_interval),
         applied_log: args.applied_log,
+        final_state: args.final_state,
         retransmit: RetransmitParams {
             ack_timeout: args.coap_ack_timeout,
             ..RetransmitParams::default()

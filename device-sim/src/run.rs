@@ -18,7 +18,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use edgefleet_shared::ResourceKey;
 use edgefleet_shared::api::Transport;
-use edgefleet_shared::codec::{self, DesiredState};
+use edgefleet_shared::codec::{self, DesiredState, DeviceReport};
 use edgefleet_shared::topics;
 use rand::RngExt;
 use rumqttc::{AsyncClient, QoS};
@@ -36,8 +36,20 @@ use crate::mqtt::{self, Inbox, Routes};
 use crate::retransmit::RetransmitParams;
 use crate::summary::{Stats, Summary};
 
-/// A report on its way; resolves once it is acknowledged, refused or failed.
-type InFlight = Pin<Box<dyn Future<Output = ()> + Send>>;
+/// A report on its way; resolves once it is acknowledged (`true`), refused
+/// or failed.
+type InFlight = Pin<Box<dyn Future<Output = bool> + Send>>;
+
+/// How long a stopping device waits for its report in flight.
+const STOP_GRACE: Duration = Duration::from_secs(5);
+
+/// One line of the final-state file: a device's last report the agent
+/// acknowledged (for MQTT devices: the last one handed to the session).
+#[derive(Debug, serde::Serialize)]
+struct FinalState {
+    device: String,
+    report: Option<DeviceReport>,
+}
 
 /// Runs the simulation until `shutdown` resolves, then stops every device
 /// and returns the final counters.
@@ -58,7 +70,7 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> anyho
         None => (None, None),
     };
     let start = Instant::now();
-    let mut tasks = JoinSet::new();
+    let mut tasks: JoinSet<Option<FinalState>> = JoinSet::new();
 
     for endpoint in &config.endpoints {
         let node_slots: Vec<_> = slots.iter().filter(|s| s.node == endpoint.name).collect();
@@ -79,17 +91,33 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> anyho
         "simulation running"
     );
     if let Some(every) = config.summary_interval {
-        tasks.spawn(print_summaries(every, Arc::clone(&stats), stop_rx.clone()));
+        let summaries = print_summaries(every, Arc::clone(&stats), stop_rx.clone());
+        tasks.spawn(async move {
+            summaries.await;
+            None
+        });
     }
 
     shutdown.await;
     stop_tx.send_replace(true);
+    let mut finals = Vec::new();
     while let Some(result) = tasks.join_next().await {
-        if let Err(e) = result
-            && e.is_panic()
-        {
-            std::panic::resume_unwind(e.into_panic());
+        match result {
+            Ok(Some(state)) => finals.push(state),
+            Ok(None) => {}
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(_) => {}
         }
+    }
+    if let Some(path) = &config.final_state {
+        finals.sort_by(|a, b| a.device.cmp(&b.device));
+        let mut text = String::new();
+        for state in &finals {
+            text.push_str(&serde_json::to_string(state)?);
+            text.push('\n');
+        }
+        std::fs::write(path, text)
+            .with_context(|| format!("writing the final state {}", path.display()))?;
     }
     drop(applied_log);
     if let Some(writer) = log_writer {
@@ -134,7 +162,11 @@ struct NodeContext<'a> {
 impl NodeContext<'_> {
     /// Opens the node's CoAP client and MQTT session and spawns its devices
     /// and the session's event loop.
-    async fn spawn(&self, slots: &[&DeviceSlot], tasks: &mut JoinSet<()>) -> anyhow::Result<()> {
+    async fn spawn(
+        &self,
+        slots: &[&DeviceSlot],
+        tasks: &mut JoinSet<Option<FinalState>>,
+    ) -> anyhow::Result<()> {
         let node = &self.endpoint.name;
         let agent = tokio::net::lookup_host(&self.endpoint.coap)
             .await
@@ -186,14 +218,18 @@ impl NodeContext<'_> {
             };
             tasks.spawn(device.run());
         }
-        tasks.spawn(mqtt::drive(
+        let session = mqtt::drive(
             eventloop,
             mqtt,
             mqtt::desired_filter(node, &self.config.namespace),
             routes,
             Arc::clone(self.stats),
             self.stop.clone(),
-        ));
+        );
+        tasks.spawn(async move {
+            session.await;
+            None
+        });
         Ok(())
     }
 }
@@ -229,7 +265,10 @@ impl Reporter {
                     let exchange = client.request(&request, retransmission).await;
                     stats.retransmitted(exchange.retransmissions.into());
                     match exchange.result {
-                        Ok(response) if response.is_success() => stats.report_acknowledged(),
+                        Ok(response) if response.is_success() => {
+                            stats.report_acknowledged();
+                            return true;
+                        }
                         Ok(response) => {
                             let code = response.code.to_string();
                             tracing::debug!(path = ?request.path, %code, "report refused");
@@ -242,6 +281,7 @@ impl Reporter {
                             stats.report_failed();
                         }
                     }
+                    false
                 })
             }
             Reporter::Mqtt { client, topic } => {
@@ -254,7 +294,9 @@ impl Reporter {
                     {
                         tracing::debug!(%topic, error = %e, "report publish failed");
                         stats.report_failed();
+                        return false;
                     }
+                    true
                 })
             }
         }
@@ -271,8 +313,8 @@ enum Wake {
     ReportDue,
     /// A firmware install completes.
     InstallDue,
-    /// The report in flight finished.
-    ReportDone,
+    /// The report in flight finished (acknowledged or not).
+    ReportDone(bool),
 }
 
 /// One simulated device at run time.
@@ -291,13 +333,15 @@ struct DeviceTask {
 }
 
 impl DeviceTask {
-    async fn run(mut self) {
+    /// Runs until stopped; returns the device's final state.
+    async fn run(mut self) -> Option<FinalState> {
         let first = self
             .report_interval
             .mul_f64(self.net_rng.random_range(0.0..1.0));
         // `None` while the Device is deleted: no periodic reports.
         let mut next_report = Some(self.start + first);
-        let mut in_flight: Option<InFlight> = None;
+        let mut in_flight: Option<(InFlight, DeviceReport)> = None;
+        let mut acknowledged: Option<DeviceReport> = None;
         let mut report_due = false;
         loop {
             let install_due = self.device.install_due().map(|at| self.start + at);
@@ -310,11 +354,20 @@ impl DeviceTask {
                 },
                 () = sleep_until(next_report) => Wake::ReportDue,
                 () = sleep_until(install_due) => Wake::InstallDue,
-                () = async { in_flight.as_mut().expect("guarded by the precondition").await },
-                    if in_flight.is_some() => Wake::ReportDone,
+                ok = async { in_flight.as_mut().expect("guarded by the precondition").0.as_mut().await },
+                    if in_flight.is_some() => Wake::ReportDone(ok),
             };
             match wake {
-                Wake::Stop => break,
+                Wake::Stop => {
+                    // Let the report in flight finish, so the final state is
+                    // what the agent last stored.
+                    if let Some((report, sent)) = in_flight.take()
+                        && tokio::time::timeout(STOP_GRACE, report).await == Ok(true)
+                    {
+                        acknowledged = Some(sent);
+                    }
+                    break;
+                }
                 Wake::Inbox => {
                     let message = self.inbox.borrow_and_update().clone();
                     match message {
@@ -342,7 +395,13 @@ impl DeviceTask {
                     self.device.advance(self.start.elapsed());
                     report_due = true;
                 }
-                Wake::ReportDone => in_flight = None,
+                Wake::ReportDone(ok) => {
+                    if let Some((_, sent)) = in_flight.take()
+                        && ok
+                    {
+                        acknowledged = Some(sent);
+                    }
+                }
             }
             if report_due && in_flight.is_none() {
                 report_due = false;
@@ -350,6 +409,10 @@ impl DeviceTask {
                 next_report = next_report.map(|_| Instant::now() + self.report_interval);
             }
         }
+        Some(FinalState {
+            device: self.id.clone(),
+            report: acknowledged,
+        })
     }
 
     /// Applies a desired state, counting and logging a new one.
@@ -365,13 +428,14 @@ impl DeviceTask {
     }
 
     /// Starts a report of the current state.
-    fn report(&mut self) -> Option<InFlight> {
+    fn report(&mut self) -> Option<(InFlight, DeviceReport)> {
         self.device.advance(self.start.elapsed());
-        match codec::encode(&self.device.report()) {
-            Ok(payload) => Some(self.reporter.send(
-                payload,
-                &mut self.net_rng,
-                Arc::clone(&self.stats),
+        let report = self.device.report();
+        match codec::encode(&report) {
+            Ok(payload) => Some((
+                self.reporter
+                    .send(payload, &mut self.net_rng, Arc::clone(&self.stats)),
+                report,
             )),
             Err(e) => {
                 tracing::warn!(device = %self.id, error = %e, "cannot encode the report");

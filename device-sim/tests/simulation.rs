@@ -201,6 +201,7 @@ fn config(
         report_interval,
         summary_interval: None,
         applied_log: None,
+        final_state: None,
         retransmit: RetransmitParams::default(),
     }
 }
@@ -275,6 +276,8 @@ async fn scenario() {
     // because a desired state was applied.
     let mut config = config(2, 2, Duration::from_secs(60), coap_addr, broker_port);
     config.applied_log = Some(log.clone());
+    let final_state = dir.path().join("final.jsonl");
+    config.final_state = Some(final_state.clone());
     let (stop, stopped) = oneshot::channel::<()>();
     let sim = tokio::spawn(edgefleet_sim::run(config, async {
         let _ = stopped.await;
@@ -344,6 +347,18 @@ async fn scenario() {
     assert_eq!(summary.reports_failed, 0, "{summary}");
     assert_eq!(summary.reports_refused(), 0, "{summary}");
     assert_eq!(summary.desired_malformed, 0, "{summary}");
+
+    // The final state names each device's last acknowledged report.
+    let finals: Vec<serde_json::Value> = std::fs::read_to_string(&final_state)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(finals.len(), 2, "{finals:?}");
+    assert_eq!(finals[0]["device"], "default/dev-00000");
+    assert_eq!(finals[0]["report"]["g"], 1, "{finals:?}");
+    assert_eq!(finals[1]["device"], "default/dev-00001");
+    assert_eq!(finals[1]["report"]["g"], 2, "{finals:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
