@@ -14,7 +14,9 @@
 
 #![forbid(unsafe_code)]
 
+pub mod fleet_view;
 pub mod process;
+pub mod stack;
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
@@ -263,7 +265,7 @@ fn wait_ready(stdout: impl Read + Send + 'static) -> anyhow::Result<PathBuf> {
 
 /// Applies the CRDs and the Device admission policy, and waits until both
 /// are in force: the CRDs Established, the policy refusing a bad Device.
-async fn install_crds(kubeconfig: &Path) -> anyhow::Result<()> {
+pub async fn install_crds(kubeconfig: &Path) -> anyhow::Result<()> {
     let kubeconfig = Kubeconfig::read_from(kubeconfig)?;
     let config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default()).await?;
     let client = Client::try_from(config)?;

@@ -3,27 +3,34 @@
 
 use std::collections::BTreeSet;
 use std::net::{SocketAddr, TcpListener, UdpSocket};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 
 use anyhow::{Context, bail};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-/// Path of a workspace binary, built first if it is not there yet.
+/// Path of a workspace binary of the caller's build profile, built first if
+/// it is not there yet.
 pub fn binary(name: &str) -> PathBuf {
     static BUILD: Mutex<()> = Mutex::new(());
-    // Test binaries live in target/<profile>/deps; binaries one level up.
+    // Test binaries live in target/<profile>/deps, binaries (this one too,
+    // when a binary calls) in target/<profile>.
     let exe = std::env::current_exe().expect("current exe");
-    let dir = exe.parent().and_then(|p| p.parent()).expect("target dir");
+    let mut dir = exe.parent().expect("target dir");
+    if dir.ends_with("deps") {
+        dir = dir.parent().expect("target dir");
+    }
     let path = dir.join(name);
     let _guard = BUILD.lock().unwrap_or_else(|e| e.into_inner());
     if !path.exists() {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let status = Command::new(cargo)
-            .args(["build", "--bin", name])
-            .status()
-            .expect("run cargo build");
+        let mut build = Command::new(cargo);
+        build.args(["build", "--bin", name]);
+        if dir.ends_with("release") {
+            build.arg("--release");
+        }
+        let status = build.status().expect("run cargo build");
         assert!(status.success(), "cargo build --bin {name} failed");
     }
     path
@@ -72,18 +79,32 @@ pub struct Process {
 impl Process {
     /// Starts `binary` with `args` and `envs`; its output goes to the test's.
     pub fn start(binary: &str, args: &[String], envs: &[(&str, String)]) -> Process {
+        Self::start_logged(binary, args, envs, None)
+            .unwrap_or_else(|e| panic!("start {binary}: {e:#}"))
+    }
+
+    /// Starts `binary`; its output goes to `log` if given (else to ours).
+    pub fn start_logged(
+        binary: &str,
+        args: &[String],
+        envs: &[(&str, String)],
+        log: Option<&Path>,
+    ) -> anyhow::Result<Process> {
         let mut command = Command::new(self::binary(binary));
         command.args(args).stdin(Stdio::null());
         for (k, v) in envs {
             command.env(k, v);
         }
-        let child = command
-            .spawn()
-            .unwrap_or_else(|e| panic!("start {binary}: {e}"));
-        Process {
+        if let Some(log) = log {
+            let file =
+                std::fs::File::create(log).with_context(|| format!("create {}", log.display()))?;
+            command.stdout(file.try_clone()?).stderr(file);
+        }
+        let child = command.spawn()?;
+        Ok(Process {
             name: binary.to_owned(),
             child,
-        }
+        })
     }
 
     /// Starts a program that is not part of the workspace (a broker, say).
@@ -99,10 +120,37 @@ impl Process {
         }
     }
 
+    /// Asks the process to stop (SIGTERM) and waits up to `grace` for it;
+    /// then kills it. Returns whether it exited on its own, successfully.
+    pub fn stop(&mut self, grace: std::time::Duration) -> bool {
+        if let Ok(Some(status)) = self.child.try_wait() {
+            return status.success();
+        }
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        let deadline = std::time::Instant::now() + grace;
+        while std::time::Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return status.success();
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        self.kill();
+        false
+    }
+
     /// Sends SIGKILL and waits for the process to go.
     pub fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+
+    /// An error naming the process if it has exited.
+    pub fn check_running(&mut self) -> anyhow::Result<()> {
+        match self.child.try_wait() {
+            Ok(Some(status)) => bail!("{} exited: {status}", self.name),
+            _ => Ok(()),
+        }
     }
 
     /// Fails if the process has exited.

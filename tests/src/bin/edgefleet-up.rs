@@ -1,0 +1,213 @@
+//! `edgefleet-up` (`make up`): the whole system on this machine — a local
+//! Kubernetes control plane (or the cluster `$KUBECONFIG` names), the CRDs,
+//! the cloud controller, three agents with their embedded brokers, the
+//! examples of `deploy/examples/` and ~300 simulated devices — with a live
+//! fleet view until Ctrl-C, then a clean shutdown.
+
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use edgefleet_shared::api::{Device, EdgeNode};
+use edgefleet_tests::stack::{FIELD_MANAGER, Stack, StackSpec, ensure_namespace};
+use edgefleet_tests::{control_plane, fleet_view, install_crds};
+use kube::api::{Patch, PatchParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Api, Client, Config};
+use tokio::signal::unix::{SignalKind, signal};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "edgefleet-up",
+    about = "Run Edgefleet on this machine with simulated devices"
+)]
+struct Cli {
+    /// How many simulated devices.
+    #[arg(long, default_value_t = 300)]
+    devices: usize,
+    /// How many edge nodes (agents), named edge-1, edge-2, …
+    #[arg(long, default_value_t = 3)]
+    nodes: usize,
+    /// Namespace of the simulated Devices.
+    #[arg(long, default_value = "default")]
+    namespace: String,
+    /// Every K-th simulated device talks MQTT (0: none).
+    #[arg(long, default_value_t = 10)]
+    mqtt_every: usize,
+    /// How often each simulated device reports.
+    #[arg(long, default_value = "10s")]
+    report_interval: String,
+    /// The cloud's status write budget (writes per second).
+    #[arg(long, default_value_t = 50)]
+    status_writes_per_second: u32,
+    /// Where logs and agent stores go.
+    #[arg(long, default_value = "/tmp/edgefleet-up")]
+    dir: PathBuf,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let kubeconfig = match std::env::var_os("KUBECONFIG") {
+        Some(path) => {
+            let path = PathBuf::from(path);
+            say(&format!(
+                "using the cluster of $KUBECONFIG ({}); installing the CRDs",
+                path.display()
+            ));
+            install_crds(&path).await.context("install the CRDs")?;
+            path
+        }
+        None => {
+            say("starting the local control plane (the first run builds it: about 6 minutes)");
+            let path =
+                tokio::task::spawn_blocking(|| control_plane().kubeconfig().to_owned()).await?;
+            say("control plane ready, CRDs installed");
+            path
+        }
+    };
+    let client = client(&kubeconfig).await?;
+
+    if cli.dir.exists() {
+        std::fs::remove_dir_all(&cli.dir)
+            .with_context(|| format!("clear {}", cli.dir.display()))?;
+    }
+    let spec = StackSpec {
+        nodes: (1..=cli.nodes).map(|i| format!("edge-{i}")).collect(),
+        namespace: cli.namespace.clone(),
+        devices: cli.devices,
+        mqtt_every: cli.mqtt_every,
+        status_writes_per_second: cli.status_writes_per_second,
+        dir: cli.dir.clone(),
+    };
+    say(&format!(
+        "starting the cloud controller and {} agents",
+        cli.nodes
+    ));
+    let mut stack = Stack::start(spec, &kubeconfig).await?;
+    let examples = apply_examples(&client, &examples_dir()).await?;
+    say(&format!(
+        "applied {examples} example Devices from deploy/examples/ (no simulated device behind them: they stay Delivered)"
+    ));
+    let applied = stack.apply_devices(&client).await?;
+    say(&format!(
+        "applied {applied} simulated Devices in namespace {}",
+        cli.namespace
+    ));
+    stack.start_sim(&[format!("--report-interval={}", cli.report_interval)])?;
+
+    println!();
+    println!("Point kubectl at it:");
+    println!("  export KUBECONFIG={}", kubeconfig.display());
+    println!(
+        "  kubectl get devices -A            # or: kubectl get dev -n {} -o wide",
+        cli.namespace
+    );
+    println!("  kubectl get edgenodes");
+    println!("  kubectl describe device dev-00000 -n {}", cli.namespace);
+    println!("Logs: {}/*.log", cli.dir.display());
+    println!("Ctrl-C stops everything.");
+    println!();
+
+    let result = watch_fleet(&client, &mut stack).await;
+    say("stopping the simulator, the agents and the controller");
+    stack.shutdown();
+    say("stopped");
+    result
+}
+
+/// Prints the fleet view every 2 s until Ctrl-C or SIGTERM.
+async fn watch_fleet(client: &Client, stack: &mut Stack) -> anyhow::Result<()> {
+    let mut terminate = signal(SignalKind::terminate())?;
+    let devices: Api<Device> = Api::all(client.clone());
+    let nodes: Api<EdgeNode> = Api::all(client.clone());
+    let tty = std::io::stdout().is_terminal();
+    let mut ticks = tokio::time::interval(Duration::from_secs(2));
+    loop {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => return Ok(()),
+            _ = terminate.recv() => return Ok(()),
+            _ = ticks.tick() => {}
+        }
+        stack.check_running()?;
+        let (Ok(devices), Ok(nodes)) = (
+            devices.list(&Default::default()).await,
+            nodes.list(&Default::default()).await,
+        ) else {
+            say("the API server did not answer; retrying");
+            continue;
+        };
+        let table = fleet_view::render(&fleet_view::summarize(&devices.items, &nodes.items));
+        let mut out = std::io::stdout().lock();
+        if tty {
+            // Redraw in place: cursor up over the previous table.
+            write!(out, "\x1b[{}F\x1b[J", table.lines().count() + 1)?;
+        }
+        writeln!(out, "{}", chrono_free_now())?;
+        write!(out, "{table}")?;
+        out.flush()?;
+    }
+}
+
+/// Applies every Device of `dir`'s YAML files (server-side apply).
+async fn apply_examples(client: &Client, dir: &Path) -> anyhow::Result<usize> {
+    let mut applied = 0;
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Ok(0);
+    };
+    let mut files: Vec<PathBuf> = entries.flatten().map(|e| e.path()).collect();
+    files.sort();
+    let params = PatchParams::apply(FIELD_MANAGER).force();
+    for file in files
+        .iter()
+        .filter(|f| f.extension().is_some_and(|e| e == "yaml" || e == "yml"))
+    {
+        let text = std::fs::read_to_string(file)?;
+        for document in serde_yaml_ng::Deserializer::from_str(&text) {
+            let value: serde_json::Value = serde::Deserialize::deserialize(document)
+                .with_context(|| format!("read {}", file.display()))?;
+            if value.get("kind").and_then(|k| k.as_str()) != Some("Device") {
+                continue;
+            }
+            let device: Device = serde_json::from_value(value)
+                .with_context(|| format!("a Device in {}", file.display()))?;
+            let namespace = device
+                .metadata
+                .namespace
+                .clone()
+                .unwrap_or_else(|| "default".into());
+            ensure_namespace(client, &namespace).await?;
+            let name = device.metadata.name.clone().unwrap_or_default();
+            Api::<Device>::namespaced(client.clone(), &namespace)
+                .patch(&name, &params, &Patch::Apply(&device))
+                .await
+                .with_context(|| {
+                    format!("apply Device {namespace}/{name} from {}", file.display())
+                })?;
+            applied += 1;
+        }
+    }
+    Ok(applied)
+}
+
+fn examples_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples")
+}
+
+async fn client(kubeconfig: &Path) -> anyhow::Result<Client> {
+    let kubeconfig = Kubeconfig::read_from(kubeconfig)?;
+    let config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default()).await?;
+    Ok(Client::try_from(config)?)
+}
+
+fn say(line: &str) {
+    eprintln!("edgefleet-up: {line}");
+}
+
+fn chrono_free_now() -> String {
+    k8s_openapi::jiff::Timestamp::now()
+        .strftime("%H:%M:%S UTC")
+        .to_string()
+}

@@ -1,0 +1,156 @@
+//! The live fleet view of `edgefleet-up`: per edge node, how many Devices
+//! there are and how far each got (delivered, applied, online).
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+
+use edgefleet_shared::api::device::condition;
+use edgefleet_shared::api::{Device, EdgeNode};
+
+/// One node's line.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeRow {
+    /// Devices on the node.
+    pub devices: usize,
+    /// Devices whose current generation the agent stored.
+    pub delivered: usize,
+    /// Devices that applied their current generation.
+    pub applied: usize,
+    /// Devices whose Online condition is True.
+    pub online: usize,
+    /// Whether the node's agent is connected (from its EdgeNode).
+    pub connected: Option<bool>,
+}
+
+/// The view: rows by node name.
+pub fn summarize(devices: &[Device], nodes: &[EdgeNode]) -> BTreeMap<String, NodeRow> {
+    let mut rows: BTreeMap<String, NodeRow> = BTreeMap::new();
+    for node in nodes {
+        let name = node.metadata.name.clone().unwrap_or_default();
+        rows.entry(name).or_default().connected =
+            Some(node.status.as_ref().is_some_and(|s| s.connected));
+    }
+    for device in devices {
+        let row = rows.entry(device.spec.node.clone()).or_default();
+        let generation = device.metadata.generation.unwrap_or_default();
+        let status = device.status.clone().unwrap_or_default();
+        row.devices += 1;
+        row.delivered += usize::from(status.delivered_generation >= Some(generation));
+        row.applied += usize::from(status.applied_generation >= Some(generation));
+        row.online += usize::from(
+            status
+                .conditions
+                .iter()
+                .any(|c| c.type_ == condition::ONLINE && c.status == "True"),
+        );
+    }
+    rows
+}
+
+/// The view as a table.
+pub fn render(rows: &BTreeMap<String, NodeRow>) -> String {
+    let mut out = format!(
+        "{:<16} {:<10} {:>8} {:>10} {:>8} {:>8}\n",
+        "NODE", "AGENT", "DEVICES", "DELIVERED", "APPLIED", "ONLINE"
+    );
+    let mut total = NodeRow::default();
+    for (node, row) in rows {
+        let agent = match row.connected {
+            Some(true) => "connected",
+            Some(false) => "offline",
+            None => "never",
+        };
+        let _ = writeln!(
+            out,
+            "{node:<16} {agent:<10} {:>8} {:>10} {:>8} {:>8}",
+            row.devices, row.delivered, row.applied, row.online
+        );
+        total.devices += row.devices;
+        total.delivered += row.delivered;
+        total.applied += row.applied;
+        total.online += row.online;
+    }
+    let _ = writeln!(
+        out,
+        "{:<16} {:<10} {:>8} {:>10} {:>8} {:>8}",
+        "total", "", total.devices, total.delivered, total.applied, total.online
+    );
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use edgefleet_shared::api::{
+        DeviceSpec, DeviceStatus, EdgeNodeSpec, EdgeNodeStatus, Transport,
+    };
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+
+    use super::*;
+
+    fn device(node: &str, generation: i64, delivered: i64, applied: i64, online: bool) -> Device {
+        let mut d = Device::new(
+            "d",
+            DeviceSpec {
+                node: node.into(),
+                model: "thermostat".into(),
+                transport: Transport::Coap,
+                desired: Default::default(),
+                firmware: None,
+            },
+        );
+        d.metadata.generation = Some(generation);
+        let conditions = online
+            .then(|| Condition {
+                type_: "Online".into(),
+                status: "True".into(),
+                reason: "Reporting".into(),
+                message: String::new(),
+                observed_generation: None,
+                last_transition_time: Time(k8s_openapi::jiff::Timestamp::now()),
+            })
+            .into_iter()
+            .collect();
+        d.status = Some(DeviceStatus {
+            delivered_generation: Some(delivered),
+            applied_generation: Some(applied),
+            conditions,
+            ..Default::default()
+        });
+        d
+    }
+
+    #[test]
+    fn rows_count_each_stage_against_the_current_generation() {
+        let devices = [
+            device("edge-1", 2, 2, 2, true),
+            device("edge-1", 3, 3, 2, true), // delivered, not applied
+            device("edge-1", 3, 2, 2, false), // neither
+            device("edge-2", 1, 1, 1, true),
+        ];
+        let mut node = EdgeNode::new("edge-1", EdgeNodeSpec {});
+        node.status = Some(EdgeNodeStatus {
+            connected: true,
+            ..Default::default()
+        });
+        let rows = summarize(&devices, &[node]);
+        assert_eq!(
+            rows["edge-1"],
+            NodeRow {
+                devices: 3,
+                delivered: 2,
+                applied: 1,
+                online: 2,
+                connected: Some(true)
+            }
+        );
+        assert_eq!(rows["edge-2"].connected, None);
+        let table = render(&rows);
+        assert!(table.contains("total"), "{table}");
+        assert!(
+            table
+                .lines()
+                .any(|l| l.starts_with("edge-1") && l.contains("connected")),
+            "{table}"
+        );
+    }
+}

@@ -1,0 +1,258 @@
+//! The whole system on one machine, as real processes: the cloud
+//! controller, one agent (with its embedded MQTT broker) per edge node, and
+//! the device simulator, against a Kubernetes API server. `edgefleet-up`
+//! runs it for people; `edgefleet-bench` measures it.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use edgefleet_shared::api::Device;
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::core::v1::Namespace;
+use kube::api::{ObjectMeta, Patch, PatchParams, PostParams};
+use kube::{Api, Client};
+
+use crate::process::{Process, binary, free_tcp_addr, free_udp_addr, http_get};
+
+/// Field manager of the Devices the stack applies.
+pub const FIELD_MANAGER: &str = "edgefleet-up";
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct StackSpec {
+    /// Edge node names; one agent each.
+    pub nodes: Vec<String>,
+    /// Namespace of the simulated fleet.
+    pub namespace: String,
+    /// How many simulated devices.
+    pub devices: usize,
+    /// Every K-th device talks MQTT (0: none).
+    pub mqtt_every: usize,
+    /// The cloud's status write budget.
+    pub status_writes_per_second: u32,
+    /// Where logs and agent stores go.
+    pub dir: PathBuf,
+}
+
+/// One edge node's agent and where it listens.
+#[derive(Debug)]
+pub struct Agent {
+    /// The node name.
+    pub node: String,
+    /// CoAP (UDP).
+    pub coap: SocketAddr,
+    /// The embedded MQTT broker.
+    pub mqtt: SocketAddr,
+    /// `/metrics` and `/healthz`.
+    pub metrics: SocketAddr,
+    process: Process,
+}
+
+/// The running processes.
+#[derive(Debug)]
+pub struct Stack {
+    /// What runs.
+    pub spec: StackSpec,
+    /// The controller's `/metrics`.
+    pub cloud_metrics: SocketAddr,
+    /// The agents.
+    pub agents: Vec<Agent>,
+    cloud: Process,
+    sim: Option<Process>,
+}
+
+impl Stack {
+    /// Starts the controller (with `kubeconfig`) and the agents, and waits
+    /// until each answers on its health endpoint.
+    pub async fn start(spec: StackSpec, kubeconfig: &Path) -> anyhow::Result<Stack> {
+        std::fs::create_dir_all(&spec.dir)?;
+        for name in ["edgefleet-cloud", "edgefleet-agent", "edgefleet-sim"] {
+            binary(name);
+        }
+        let (sync, cloud_metrics) = (free_tcp_addr(), free_tcp_addr());
+        let cloud = Process::start_logged(
+            "edgefleet-cloud",
+            &[
+                "run".into(),
+                format!("--sync-addr={sync}"),
+                format!("--metrics-addr={cloud_metrics}"),
+                format!(
+                    "--status-writes-per-second={}",
+                    spec.status_writes_per_second
+                ),
+            ],
+            &[("KUBECONFIG", kubeconfig.display().to_string())],
+            Some(&spec.dir.join("cloud.log")),
+        )?;
+        wait_http(cloud_metrics, "/readyz", "the cloud controller").await?;
+
+        let mut agents = Vec::new();
+        for node in &spec.nodes {
+            let (coap, mqtt, metrics) = (free_udp_addr(), free_tcp_addr(), free_tcp_addr());
+            let process = Process::start_logged(
+                "edgefleet-agent",
+                &[
+                    format!("--node={node}"),
+                    format!("--cloud=http://{sync}"),
+                    format!("--data-dir={}", spec.dir.join(node).display()),
+                    format!("--coap-bind={coap}"),
+                    format!("--mqtt-listen={mqtt}"),
+                    format!("--metrics-addr={metrics}"),
+                ],
+                &[],
+                Some(&spec.dir.join(format!("agent-{node}.log"))),
+            )?;
+            agents.push(Agent {
+                node: node.clone(),
+                coap,
+                mqtt,
+                metrics,
+                process,
+            });
+        }
+        for agent in &agents {
+            wait_http(
+                agent.metrics,
+                "/healthz",
+                &format!("the agent of {}", agent.node),
+            )
+            .await?;
+        }
+        Ok(Stack {
+            spec,
+            cloud_metrics,
+            agents,
+            cloud,
+            sim: None,
+        })
+    }
+
+    /// The flags that decide the simulated fleet, the same for
+    /// `edgefleet-sim devices` and `edgefleet-sim run`.
+    pub fn fleet_args(&self) -> Vec<String> {
+        vec![
+            format!("--namespace={}", self.spec.namespace),
+            format!("--devices={}", self.spec.devices),
+            format!("--mqtt-every={}", self.spec.mqtt_every),
+        ]
+    }
+
+    /// Creates the fleet's namespace if needed and applies its Devices
+    /// (server-side apply, 16 at a time). Returns how many.
+    pub async fn apply_devices(&self, client: &Client) -> anyhow::Result<usize> {
+        ensure_namespace(client, &self.spec.namespace).await?;
+        let mut listing = std::process::Command::new(binary("edgefleet-sim"));
+        listing.arg("devices").args(self.fleet_args());
+        for node in &self.spec.nodes {
+            listing.arg(format!("--node={node}"));
+        }
+        let out = listing.output().context("run edgefleet-sim devices")?;
+        if !out.status.success() {
+            bail!(
+                "edgefleet-sim devices failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        let devices: Vec<Device> = String::from_utf8(out.stdout)?
+            .lines()
+            .filter(|l| l.starts_with('{'))
+            .map(serde_json::from_str)
+            .collect::<Result<_, _>>()?;
+        let api: Api<Device> = Api::namespaced(client.clone(), &self.spec.namespace);
+        let params = PatchParams::apply(FIELD_MANAGER).force();
+        let applied = devices.len();
+        futures::stream::iter(devices)
+            .map(|device| {
+                let (api, params) = (api.clone(), params.clone());
+                async move {
+                    let name = device.metadata.name.clone().unwrap_or_default();
+                    api.patch(&name, &params, &Patch::Apply(&device))
+                        .await
+                        .with_context(|| format!("apply Device {name}"))
+                }
+            })
+            .buffer_unordered(16)
+            .try_for_each(|_| async { Ok(()) })
+            .await?;
+        Ok(applied)
+    }
+
+    /// Starts the simulator against the agents, with `extra` flags; its log
+    /// goes to `sim.log`.
+    pub fn start_sim(&mut self, extra: &[String]) -> anyhow::Result<()> {
+        let mut args = vec!["run".to_owned()];
+        args.extend(self.fleet_args());
+        for agent in &self.agents {
+            args.push(format!(
+                "--node={}={},{}",
+                agent.node, agent.coap, agent.mqtt
+            ));
+        }
+        args.extend_from_slice(extra);
+        self.sim = Some(Process::start_logged(
+            "edgefleet-sim",
+            &args,
+            &[],
+            Some(&self.spec.dir.join("sim.log")),
+        )?);
+        Ok(())
+    }
+
+    /// Stops the simulator (SIGTERM; it writes its final state and exits).
+    pub fn stop_sim(&mut self) -> bool {
+        self.sim
+            .take()
+            .is_some_and(|mut sim| sim.stop(Duration::from_secs(15)))
+    }
+
+    /// Fails if a process of the stack has exited.
+    pub fn check_running(&mut self) -> anyhow::Result<()> {
+        let mut all = vec![&mut self.cloud];
+        all.extend(self.agents.iter_mut().map(|a| &mut a.process));
+        all.extend(self.sim.as_mut());
+        for process in all {
+            process.check_running()?;
+        }
+        Ok(())
+    }
+
+    /// Stops everything: the simulator, then the agents, then the cloud.
+    pub fn shutdown(mut self) {
+        self.stop_sim();
+        for agent in &mut self.agents {
+            agent.process.stop(Duration::from_secs(10));
+        }
+        self.cloud.stop(Duration::from_secs(10));
+    }
+}
+
+/// Creates `namespace` unless it exists.
+pub async fn ensure_namespace(client: &Client, namespace: &str) -> anyhow::Result<()> {
+    let api: Api<Namespace> = Api::all(client.clone());
+    if api.get_opt(namespace).await?.is_none() {
+        let ns = Namespace {
+            metadata: ObjectMeta {
+                name: Some(namespace.to_owned()),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        api.create(&PostParams::default(), &ns).await?;
+    }
+    Ok(())
+}
+
+async fn wait_http(addr: SocketAddr, path: &str, what: &str) -> anyhow::Result<()> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Ok((200, _)) = http_get(addr, path).await {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("{what} did not answer {path} on {addr} within 60 s");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
