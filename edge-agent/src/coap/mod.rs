@@ -13,6 +13,8 @@
 //! A confirmable request retransmitted with the same message id is answered
 //! from [`RecentExchanges`] and not processed twice.
 
+pub mod observe;
+
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
