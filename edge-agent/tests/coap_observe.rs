@@ -85,7 +85,7 @@ impl Agent {
     }
 
     async fn eventually_observers(&self, n: i64) {
-        for _ in 0..200 {
+        for _ in 0..500 {
             if self.metrics.observers.get() == n {
                 return;
             }
@@ -346,7 +346,7 @@ async fn a_reset_of_a_notification_removes_the_observer() {
 async fn confirmable_notifications_are_acknowledged_or_the_observer_is_dropped() {
     let settings = ObserveSettings {
         confirmable_every: 1,
-        ack_timeout: Duration::from_millis(50),
+        ack_timeout: Duration::from_millis(200),
         max_retransmit: 2,
         ..ObserveSettings::default()
     };
