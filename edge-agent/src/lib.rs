@@ -3,7 +3,8 @@
 //!
 //! - [`store`]: desired state, latest reports and the outbox, in sled;
 //! - [`sync`]: the client of the cloud's sync stream;
-//! - [`coap`]: the CoAP server devices report to;
+//! - [`coap`]: the CoAP server devices report to and read (or observe)
+//!   their desired state from;
 //! - [`mqtt`]: desired state out and MQTT devices' reports in, on the site
 //!   broker (embedded by default).
 

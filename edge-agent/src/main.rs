@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
+use edgefleet_agent::coap::observe::ObserveSettings;
 use edgefleet_agent::coap::{self, CoapMetrics};
 use edgefleet_agent::mqtt::{self, BrokerAddress, MqttMetrics};
 use edgefleet_agent::store::Store;
@@ -32,6 +33,13 @@ struct Cli {
     /// UDP address of the CoAP server for devices.
     #[arg(long, env = "EDGEFLEET_COAP_BIND", default_value = "127.0.0.1:5683")]
     coap_bind: SocketAddr,
+    /// At most this many CoAP observers (RFC 7641) in all; beyond it a
+    /// `GET` with Observe is answered without registering.
+    #[arg(long, env = "EDGEFLEET_COAP_MAX_OBSERVERS", default_value_t = ObserveSettings::default().max_observers)]
+    coap_max_observers: usize,
+    /// At most this many CoAP observers of one device.
+    #[arg(long, env = "EDGEFLEET_COAP_MAX_OBSERVERS_PER_DEVICE", default_value_t = ObserveSettings::default().max_observers_per_device)]
+    coap_max_observers_per_device: usize,
     /// An external site broker (`mqtt://host:port`, e.g. Mosquitto). Without
     /// it the agent runs an embedded broker on --mqtt-listen.
     #[arg(long, env = "EDGEFLEET_MQTT_URL")]
@@ -65,9 +73,7 @@ async fn main() -> anyhow::Result<()> {
     let store = opened.store;
 
     let coap_metrics = Arc::new(CoapMetrics::default());
-    coap_metrics
-        .requests
-        .register(&mut registry, "coap_requests", "CoAP requests by outcome");
+    coap_metrics.register(&mut registry);
     let outbox_depth = Gauge::<i64>::default();
     registry.register(
         "outbox_depth",
@@ -120,8 +126,13 @@ async fn main() -> anyhow::Result<()> {
             }
         }
     };
+    let observe = ObserveSettings {
+        max_observers: cli.coap_max_observers,
+        max_observers_per_device: cli.coap_max_observers_per_device,
+        ..ObserveSettings::default()
+    };
     tokio::select! {
-        served = coap::serve(coap_socket, store.clone(), coap_metrics) => served.context("CoAP server")?,
+        served = coap::serve_with(coap_socket, store.clone(), coap_metrics, observe) => served.context("CoAP server")?,
         served = telemetry::serve(metrics_listener, registry, readiness) => served.context("metrics server")?,
         () = sync::run(settings, store.clone()) => {}
         () = mqtt::run(broker, cli.node.clone(), store.clone(), mqtt_metrics) => {}
