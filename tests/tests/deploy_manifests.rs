@@ -110,20 +110,21 @@ fn manifests(dir: &str, skip: &[&str]) -> Vec<Manifest> {
     let mut manifests = Vec::new();
     for file in files {
         let text = std::fs::read_to_string(&file).expect("read a manifest");
-        let relative = file.strip_prefix(deploy_dir()).unwrap().display().to_string();
+        let relative = file
+            .strip_prefix(deploy_dir())
+            .unwrap()
+            .display()
+            .to_string();
         for (i, document) in serde_yaml_ng::Deserializer::from_str(&text).enumerate() {
             let origin = format!("{relative}#{}", i + 1);
-            let value = Value::deserialize(document)
-                .unwrap_or_else(|e| panic!("{origin}: not YAML: {e}"));
+            let value =
+                Value::deserialize(document).unwrap_or_else(|e| panic!("{origin}: not YAML: {e}"));
             if value.is_null() {
                 continue; // an empty document, e.g. only comments
             }
             let object: DynamicObject = serde_json::from_value(value)
                 .unwrap_or_else(|e| panic!("{origin}: not a Kubernetes object: {e}"));
-            assert!(
-                object.types.is_some(),
-                "{origin}: no apiVersion and kind"
-            );
+            assert!(object.types.is_some(), "{origin}: no apiVersion and kind");
             assert!(object.metadata.name.is_some(), "{origin}: no metadata.name");
             manifests.push(Manifest { origin, object });
         }
@@ -149,7 +150,11 @@ fn find<'a>(manifests: &'a [Manifest], kind: &str, name: &str) -> &'a Manifest {
         .iter()
         .filter(|m| m.kind() == kind && m.name() == name)
         .collect();
-    assert_eq!(found.len(), 1, "expected one {kind} {name}, found {found:?}");
+    assert_eq!(
+        found.len(),
+        1,
+        "expected one {kind} {name}, found {found:?}"
+    );
     found[0]
 }
 
@@ -189,7 +194,12 @@ async fn install(client: &Client) {
     let mut refused = Vec::new();
     for manifest in install_manifests() {
         if let Err(e) = apply(client, &manifest.object, &strict()).await {
-            refused.push(format!("{} ({} {}): {e}", manifest.origin, manifest.kind(), manifest.name()));
+            refused.push(format!(
+                "{} ({} {}): {e}",
+                manifest.origin,
+                manifest.kind(),
+                manifest.name()
+            ));
         }
     }
     assert!(refused.is_empty(), "refused:\n{}", refused.join("\n"));
@@ -243,7 +253,10 @@ async fn every_install_manifest_is_accepted_with_strict_validation() {
         .unwrap();
     let node_selector = daemonset.spec.unwrap().template.spec.unwrap().node_selector;
     assert_eq!(
-        node_selector.unwrap_or_default().get("edgefleet.io/edge").map(String::as_str),
+        node_selector
+            .unwrap_or_default()
+            .get("edgefleet.io/edge")
+            .map(String::as_str),
         Some("true")
     );
 }
@@ -333,10 +346,16 @@ async fn the_examples_are_devices_the_simulator_understands() {
     }
     assert_eq!(
         transports,
-        BTreeSet::from([format!("{:?}", Transport::Coap), format!("{:?}", Transport::Mqtt)]),
+        BTreeSet::from([
+            format!("{:?}", Transport::Coap),
+            format!("{:?}", Transport::Mqtt)
+        ]),
         "the examples show both transports"
     );
-    assert!(with_firmware_url, "an example orders firmware by url and sha256");
+    assert!(
+        with_firmware_url,
+        "an example orders firmware by url and sha256"
+    );
 }
 
 /// Asks the API server's authorizer whether the controller's ServiceAccount
@@ -392,11 +411,13 @@ async fn the_controller_may_do_what_it_does_and_nothing_else() {
     let own_ns = Some(SYSTEM_NAMESPACE);
 
     // The RBAC authorizer learns of new bindings from a watch: wait for it.
-    let c = &client;
-    eventually("the controller's ClusterRoleBinding is in force", || async move {
-        cloud_may(c, "list", "edgefleet.io", "devices", None)
-            .await
-            .then_some(())
+    eventually("the controller's ClusterRoleBinding is in force", || {
+        let client = &client;
+        async move {
+            cloud_may(client, "list", "edgefleet.io", "devices", None)
+                .await
+                .then_some(())
+        }
     })
     .await;
 
@@ -439,9 +460,19 @@ async fn the_controller_may_do_what_it_does_and_nothing_else() {
         ("create", "", "pods", own_ns),
         ("list", "", "nodes", None),
         // Leases only in its own namespace.
-        ("update", "coordination.k8s.io", "leases", Some("kube-system")),
+        (
+            "update",
+            "coordination.k8s.io",
+            "leases",
+            Some("kube-system"),
+        ),
         ("delete", "coordination.k8s.io", "leases", own_ns),
-        ("escalate", "rbac.authorization.k8s.io", "clusterroles", None),
+        (
+            "escalate",
+            "rbac.authorization.k8s.io",
+            "clusterroles",
+            None,
+        ),
         ("bind", "rbac.authorization.k8s.io", "clusterroles", None),
         ("impersonate", "", "serviceaccounts", None),
     ];
@@ -449,12 +480,16 @@ async fn the_controller_may_do_what_it_does_and_nothing_else() {
     let mut wrong = Vec::new();
     for (verb, group, resource, namespace) in needed {
         if !cloud_may(&client, verb, group, resource, namespace).await {
-            wrong.push(format!("refused but needed: {verb} {group}/{resource} in {namespace:?}"));
+            wrong.push(format!(
+                "refused but needed: {verb} {group}/{resource} in {namespace:?}"
+            ));
         }
     }
     for (verb, group, resource, namespace) in refused {
         if cloud_may(&client, verb, group, resource, namespace).await {
-            wrong.push(format!("allowed but not needed: {verb} {group}/{resource} in {namespace:?}"));
+            wrong.push(format!(
+                "allowed but not needed: {verb} {group}/{resource} in {namespace:?}"
+            ));
         }
     }
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
@@ -522,16 +557,16 @@ async fn the_controller_pod_meets_the_restricted_pod_security_level() {
     // The agent needs the host's network and a hostPath: refused here. That
     // shows the level is enforced, so the controller's acceptance below
     // means something.
-    let (pods_ref, agent_pod, dry_run_ref) = (&pods, &pod_from(&agent_template, "agent", &ns), &dry_run);
-    let refusal = eventually("the restricted level is enforced", || async move {
-        match pods_ref
-            .create(dry_run_ref, agent_pod)
-            .await
-        {
-            Err(kube::Error::Api(status)) if status.message.contains("PodSecurity") => {
-                Some(status.message)
+    let agent_pod = pod_from(&agent_template, "agent", &ns);
+    let refusal = eventually("the restricted level is enforced", || {
+        let (pods, agent_pod, dry_run) = (&pods, &agent_pod, &dry_run);
+        async move {
+            match pods.create(dry_run, agent_pod).await {
+                Err(kube::Error::Api(status)) if status.message.contains("PodSecurity") => {
+                    Some(status.message)
+                }
+                _ => None,
             }
-            _ => None,
         }
     })
     .await;
@@ -543,14 +578,19 @@ async fn the_controller_pod_meets_the_restricted_pod_security_level() {
 
     // In its own namespace the agent's pod is accepted.
     Api::<Pod>::namespaced(client, SYSTEM_NAMESPACE)
-        .create(&dry_run, &pod_from(&agent_template, "agent", SYSTEM_NAMESPACE))
+        .create(
+            &dry_run,
+            &pod_from(&agent_template, "agent", SYSTEM_NAMESPACE),
+        )
         .await
         .unwrap_or_else(|e| panic!("the agent's pod is refused in {SYSTEM_NAMESPACE}: {e}"));
 }
 
 /// The environment variables a binary reads (`env = "…"` in its clap flags).
 fn env_vars_read_by(main_rs: &str) -> BTreeSet<String> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(main_rs);
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join(main_rs);
     let source = std::fs::read_to_string(&path).expect("read a main.rs");
     source
         .split("env = \"")
@@ -615,9 +655,10 @@ fn the_pieces_fit_together() {
     let cloud = find(&manifests, "Deployment", "edgefleet-cloud").typed::<Deployment>();
     let service = find(&manifests, "Service", "edgefleet-cloud").typed::<Service>();
     let agent = find(&manifests, "DaemonSet", "edgefleet-agent").typed::<DaemonSet>();
-    let binding = find(&manifests, "ClusterRoleBinding", "edgefleet-cloud").typed::<ClusterRoleBinding>();
-    let lease_binding = find(&manifests, "RoleBinding", "edgefleet-cloud-leader-election")
-        .typed::<RoleBinding>();
+    let binding =
+        find(&manifests, "ClusterRoleBinding", "edgefleet-cloud").typed::<ClusterRoleBinding>();
+    let lease_binding =
+        find(&manifests, "RoleBinding", "edgefleet-cloud-leader-election").typed::<RoleBinding>();
     let cloud_template = cloud.spec.as_ref().unwrap().template.clone();
     let agent_template = agent.spec.as_ref().unwrap().template.clone();
     let cloud_container = container(&cloud_template, "cloud");
@@ -629,37 +670,73 @@ fn the_pieces_fit_together() {
         (agent_container, "edge-agent/src/main.rs"),
     ] {
         let known = env_vars_read_by(main_rs);
-        assert!(!known.is_empty(), "{main_rs} reads no environment variables?");
+        assert!(
+            !known.is_empty(),
+            "{main_rs} reads no environment variables?"
+        );
         for var in c.env.iter().flatten() {
             if var.name.starts_with("EDGEFLEET_") {
-                assert!(known.contains(&var.name), "{}: {main_rs} does not read {}; it reads {known:?}", c.name, var.name);
+                assert!(
+                    known.contains(&var.name),
+                    "{}: {main_rs} does not read {}; it reads {known:?}",
+                    c.name,
+                    var.name
+                );
             }
         }
     }
 
     // The controller listens on the ports it declares, and probes name them.
     let cloud_ports = ports(cloud_container);
-    assert_eq!(Some(&listen_port(cloud_container, "EDGEFLEET_SYNC_ADDR")), cloud_ports.get("sync"));
-    assert_eq!(Some(&listen_port(cloud_container, "EDGEFLEET_METRICS_ADDR")), cloud_ports.get("metrics"));
-    for probe in [&cloud_container.readiness_probe, &cloud_container.liveness_probe] {
+    assert_eq!(
+        Some(&listen_port(cloud_container, "EDGEFLEET_SYNC_ADDR")),
+        cloud_ports.get("sync")
+    );
+    assert_eq!(
+        Some(&listen_port(cloud_container, "EDGEFLEET_METRICS_ADDR")),
+        cloud_ports.get("metrics")
+    );
+    for probe in [
+        &cloud_container.readiness_probe,
+        &cloud_container.liveness_probe,
+    ] {
         let port = probe_port(probe.as_ref()).expect("an HTTP probe");
-        assert!(cloud_ports.contains_key(&port), "the cloud's probes use port {port}");
+        assert!(
+            cloud_ports.contains_key(&port),
+            "the cloud's probes use port {port}"
+        );
     }
 
     // The Service selects the controller's pods and reaches its ports.
     let service_spec = service.spec.as_ref().unwrap();
-    let pod_labels = cloud_template.metadata.as_ref().unwrap().labels.clone().unwrap_or_default();
+    let pod_labels = cloud_template
+        .metadata
+        .as_ref()
+        .unwrap()
+        .labels
+        .clone()
+        .unwrap_or_default();
     let selector = service_spec.selector.clone().unwrap_or_default();
     assert!(!selector.is_empty());
     for (key, value) in &selector {
-        assert_eq!(pod_labels.get(key), Some(value), "the Service's selector misses the pods");
+        assert_eq!(
+            pod_labels.get(key),
+            Some(value),
+            "the Service's selector misses the pods"
+        );
     }
     let mut service_ports = BTreeMap::new();
     for port in service_spec.ports.iter().flatten() {
         let Some(IntOrString::String(target)) = &port.target_port else {
-            panic!("Service port {:?}: target the container port by name", port.name);
+            panic!(
+                "Service port {:?}: target the container port by name",
+                port.name
+            );
         };
-        assert!(cloud_ports.contains_key(target), "the Service targets {target}");
+        assert!(
+            cloud_ports.contains_key(target),
+            "the Service targets {target}"
+        );
         service_ports.insert(port.name.clone().unwrap_or_default(), port.port);
     }
 
@@ -670,7 +747,10 @@ fn the_pieces_fit_together() {
         service.metadata.namespace.as_deref().unwrap(),
         service_ports["sync"]
     );
-    assert_eq!(env_value(agent_container, "EDGEFLEET_CLOUD"), expected_cloud);
+    assert_eq!(
+        env_value(agent_container, "EDGEFLEET_CLOUD"),
+        expected_cloud
+    );
 
     // The agent's node name comes from the downward API.
     let node = agent_container
@@ -685,14 +765,32 @@ fn the_pieces_fit_together() {
     // The agent listens where it says, on the node's network.
     let agent_spec = agent_template.spec.as_ref().unwrap();
     assert_eq!(agent_spec.host_network, Some(true));
-    assert_eq!(agent_spec.dns_policy.as_deref(), Some("ClusterFirstWithHostNet"));
+    assert_eq!(
+        agent_spec.dns_policy.as_deref(),
+        Some("ClusterFirstWithHostNet")
+    );
     let agent_ports = ports(agent_container);
-    assert_eq!(Some(&listen_port(agent_container, "EDGEFLEET_COAP_BIND")), agent_ports.get("coap"));
-    assert_eq!(Some(&listen_port(agent_container, "EDGEFLEET_MQTT_LISTEN")), agent_ports.get("mqtt"));
-    assert_eq!(Some(&listen_port(agent_container, "EDGEFLEET_METRICS_ADDR")), agent_ports.get("metrics"));
-    for probe in [&agent_container.readiness_probe, &agent_container.liveness_probe] {
+    assert_eq!(
+        Some(&listen_port(agent_container, "EDGEFLEET_COAP_BIND")),
+        agent_ports.get("coap")
+    );
+    assert_eq!(
+        Some(&listen_port(agent_container, "EDGEFLEET_MQTT_LISTEN")),
+        agent_ports.get("mqtt")
+    );
+    assert_eq!(
+        Some(&listen_port(agent_container, "EDGEFLEET_METRICS_ADDR")),
+        agent_ports.get("metrics")
+    );
+    for probe in [
+        &agent_container.readiness_probe,
+        &agent_container.liveness_probe,
+    ] {
         let port = probe_port(probe.as_ref()).expect("an HTTP probe");
-        assert!(agent_ports.contains_key(&port), "the agent's probes use port {port}");
+        assert!(
+            agent_ports.contains_key(&port),
+            "the agent's probes use port {port}"
+        );
     }
 
     // Its store is on the node, where the agent keeps it.
@@ -717,26 +815,61 @@ fn the_pieces_fit_together() {
     );
 
     // Both run hardened (the cloud is also checked against Pod Security).
-    for (template, c) in [(&cloud_template, cloud_container), (&agent_template, agent_container)] {
-        let pod = template.spec.as_ref().unwrap().security_context.clone().unwrap_or_default();
+    for (template, c) in [
+        (&cloud_template, cloud_container),
+        (&agent_template, agent_container),
+    ] {
+        let pod = template
+            .spec
+            .as_ref()
+            .unwrap()
+            .security_context
+            .clone()
+            .unwrap_or_default();
         let sc = c.security_context.clone().unwrap_or_default();
         let what = &c.name;
-        assert_eq!(pod.run_as_non_root.or(sc.run_as_non_root), Some(true), "{what}: runAsNonRoot");
+        assert_eq!(
+            pod.run_as_non_root.or(sc.run_as_non_root),
+            Some(true),
+            "{what}: runAsNonRoot"
+        );
         assert_eq!(
             sc.seccomp_profile.or(pod.seccomp_profile).map(|p| p.type_),
             Some("RuntimeDefault".to_owned()),
             "{what}: seccomp"
         );
-        assert_eq!(sc.read_only_root_filesystem, Some(true), "{what}: readOnlyRootFilesystem");
-        assert_eq!(sc.allow_privilege_escalation, Some(false), "{what}: allowPrivilegeEscalation");
+        assert_eq!(
+            sc.read_only_root_filesystem,
+            Some(true),
+            "{what}: readOnlyRootFilesystem"
+        );
+        assert_eq!(
+            sc.allow_privilege_escalation,
+            Some(false),
+            "{what}: allowPrivilegeEscalation"
+        );
         let caps = sc.capabilities.unwrap_or_default();
-        assert_eq!(caps.drop, Some(vec!["ALL".to_owned()]), "{what}: drop ALL capabilities");
+        assert_eq!(
+            caps.drop,
+            Some(vec!["ALL".to_owned()]),
+            "{what}: drop ALL capabilities"
+        );
         assert_eq!(caps.add, None, "{what}: no capabilities added");
-        assert!(c.resources.as_ref().is_some_and(|r| r.requests.is_some() && r.limits.is_some()), "{what}: requests and limits");
+        assert!(
+            c.resources
+                .as_ref()
+                .is_some_and(|r| r.requests.is_some() && r.limits.is_some()),
+            "{what}: requests and limits"
+        );
     }
 
     // The controller runs as the ServiceAccount its bindings name.
-    let account = cloud_template.spec.as_ref().unwrap().service_account_name.clone();
+    let account = cloud_template
+        .spec
+        .as_ref()
+        .unwrap()
+        .service_account_name
+        .clone();
     for subjects in [&binding.subjects, &lease_binding.subjects] {
         let subjects = subjects.clone().unwrap_or_default();
         assert_eq!(subjects.len(), 1);
