@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: test lint crds controlplane
+.PHONY: test lint crds controlplane up bench
 
 ## Build (or reuse) the local control plane, then run every test.
 test: controlplane
@@ -20,3 +20,15 @@ crds:
 ## The kube-apiserver + etcd binary the tests run (cached after the first build).
 controlplane:
 	@bash tests/controlplane/build.sh >/dev/null
+
+## The whole system on this machine with ~300 simulated devices and a live
+## fleet view, until Ctrl-C (uses $KUBECONFIG's cluster when set).
+up: controlplane
+	$(CARGO) build --locked --bins
+	./target/debug/edgefleet-up
+
+## Measure propagation, report->status latency and the status write budget
+## (1,000 devices on 3 agents, release build). Figures: docs/benchmarks.md.
+bench: controlplane
+	$(CARGO) build --locked --release --bins
+	./target/release/edgefleet-bench $(BENCH_ARGS)

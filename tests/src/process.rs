@@ -139,6 +139,19 @@ impl Process {
         false
     }
 
+    /// The resident memory of the process in bytes (Linux `VmRSS`).
+    pub fn rss_bytes(&self) -> Option<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).ok()?;
+        let kib: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()?;
+        Some(kib * 1024)
+    }
+
     /// Sends SIGKILL and waits for the process to go.
     pub fn kill(&mut self) {
         let _ = self.child.kill();

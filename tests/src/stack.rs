@@ -218,6 +218,14 @@ impl Stack {
         Ok(())
     }
 
+    /// Resident memory of the controller and of each agent, in bytes.
+    pub fn memory(&self) -> (Option<u64>, Vec<Option<u64>>) {
+        (
+            self.cloud.rss_bytes(),
+            self.agents.iter().map(|a| a.process.rss_bytes()).collect(),
+        )
+    }
+
     /// Stops everything: the simulator, then the agents, then the cloud.
     pub fn shutdown(mut self) {
         self.stop_sim();
