@@ -161,8 +161,14 @@ fn broker_address(cli: &Cli) -> anyhow::Result<BrokerAddress> {
                 format!("start the embedded MQTT broker on {}", cli.mqtt_listen)
             })?;
             tracing::info!(listen = %cli.mqtt_listen, "embedded MQTT broker started");
+            // Listening on every address (in a pod): dial it on loopback.
+            let ip = match cli.mqtt_listen.ip() {
+                ip if ip.is_unspecified() && ip.is_ipv4() => std::net::Ipv4Addr::LOCALHOST.into(),
+                ip if ip.is_unspecified() => std::net::Ipv6Addr::LOCALHOST.into(),
+                ip => ip,
+            };
             Ok(BrokerAddress {
-                host: cli.mqtt_listen.ip().to_string(),
+                host: ip.to_string(),
                 port: cli.mqtt_listen.port(),
             })
         }

@@ -61,8 +61,11 @@ pub fn start_embedded_broker(listen: SocketAddr) -> std::io::Result<()> {
         router: rumqttd::RouterConfig {
             max_connections: 10_010,
             max_outgoing_packet_count: 200,
-            max_segment_size: 100 * 1024 * 1024,
-            max_segment_count: 10,
+            // The router keeps messages in a log per topic filter until
+            // subscribers have them; small segments bound the broker's
+            // memory on an edge box (the default would allow 1 GiB).
+            max_segment_size: 1024 * 1024,
+            max_segment_count: 4,
             custom_segment: None,
             initialized_filters: None,
             shared_subscriptions_strategy: Default::default(),

@@ -118,6 +118,9 @@ pub enum StoreError {
     },
 }
 
+/// The most memory sled's page cache may use.
+pub const CACHE_BYTES: u64 = 64 * 1024 * 1024;
+
 /// The agent's store.
 #[derive(Clone, Debug)]
 pub struct Store {
@@ -177,6 +180,9 @@ impl Store {
     fn open_existing(dir: &Path) -> Result<Store, String> {
         let db = sled::Config::new()
             .path(dir)
+            // sled's default page cache is 1 GiB; an edge box has less, and
+            // a store of desired and latest states is small.
+            .cache_capacity(CACHE_BYTES)
             .open()
             .map_err(|e| e.to_string())?;
         let tree = |name: &str| db.open_tree(name).map_err(|e| e.to_string());
