@@ -1,18 +1,24 @@
-//! One MQTT session per node, shared by all of the node's devices.
+//! MQTT sessions shared by groups of a node's devices.
 //!
-//! The session subscribes to the retained desired states of every device of
-//! the namespace on the node (`edgefleet/<node>/<namespace>/+/desired`, QoS 1)
-//! and hands each one to its device through a [`watch`] channel: a device only
-//! ever needs the latest desired state, and a watch channel never blocks the
-//! session, however slow the device. Devices whose transport is MQTT publish
-//! their reports through the same client; their PUBACKs are counted here.
+//! A session subscribes to the retained desired topic of each of its devices
+//! (QoS 1) and hands each message to its device through a [`watch`] channel:
+//! a device only ever needs the latest desired state, and a watch channel
+//! never blocks the session, however slow the device. Devices whose
+//! transport is MQTT publish their reports through their group's client;
+//! their PUBACKs are counted here.
+//!
+//! Why groups of [`DEVICES_PER_SESSION`] and not one session per node with a
+//! wildcard: a broker delivers the retained messages matching a new
+//! subscription at once, and rumqttd (the agent's embedded broker) sends no
+//! more of them than a connection has in-flight slots (100) and drops the
+//! rest. Real devices each have a connection of their own; a group of 50
+//! stays well inside that limit.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use edgefleet_shared::codec::{self, CodecError, DesiredState};
-use edgefleet_shared::topics;
 use rumqttc::{AsyncClient, Event, EventLoop, MqttOptions, Outgoing, Packet, QoS};
 use tokio::sync::watch;
 
@@ -47,10 +53,8 @@ impl Inbox {
 /// Where the session delivers each desired topic: the device's inbox.
 pub type Routes = HashMap<String, watch::Sender<Option<Inbox>>>;
 
-/// The filter for every desired state of `namespace` on `node`.
-pub fn desired_filter(node: &str, namespace: &str) -> String {
-    format!("{}/{node}/{namespace}/+/desired", topics::ROOT)
-}
+/// Devices sharing one MQTT session.
+pub const DEVICES_PER_SESSION: usize = 50;
 
 /// A client for the broker at `host:port`, and the event loop that must be
 /// driven (see [`drive`]) for it to do anything.
@@ -68,7 +72,6 @@ pub fn connect(client_id: &str, host: &str, port: u16) -> (AsyncClient, EventLoo
 pub async fn drive(
     mut eventloop: EventLoop,
     client: AsyncClient,
-    filter: String,
     routes: Routes,
     stats: Arc<Stats>,
     mut stop: watch::Receiver<bool>,
@@ -85,13 +88,16 @@ pub async fn drive(
             Ok(Event::Incoming(Packet::ConnAck(_))) => {
                 connected = true;
                 healthy = true;
-                tracing::debug!(%filter, "MQTT connected, subscribing");
+                tracing::debug!(topics = routes.len(), "MQTT connected, subscribing");
                 // Through a task: the request queue may be full of reports,
                 // and only this loop drains it.
                 let client = client.clone();
-                let filter = filter.clone();
+                let filters: Vec<_> = routes
+                    .keys()
+                    .map(|topic| rumqttc::SubscribeFilter::new(topic.clone(), QoS::AtLeastOnce))
+                    .collect();
                 tokio::spawn(async move {
-                    if let Err(e) = client.subscribe(filter, QoS::AtLeastOnce).await {
+                    if let Err(e) = client.subscribe_many(filters).await {
                         tracing::warn!(error = %e, "MQTT subscribe failed");
                     }
                 });
@@ -153,20 +159,9 @@ async fn disconnect(eventloop: &mut EventLoop, client: &AsyncClient) {
 
 #[cfg(test)]
 mod tests {
-    use edgefleet_shared::ResourceKey;
     use edgefleet_shared::codec::encode;
 
     use super::*;
-
-    #[test]
-    fn the_filter_matches_the_desired_topics_of_the_namespace() {
-        let filter = desired_filter("edge-1", "plant");
-        assert_eq!(filter, "edgefleet/edge-1/plant/+/desired");
-        let topic = topics::desired("edge-1", &ResourceKey::device("plant", "t1"));
-        let (f, t): (Vec<_>, Vec<_>) = (filter.split('/').collect(), topic.split('/').collect());
-        assert_eq!(f.len(), t.len());
-        assert!(f.iter().zip(&t).all(|(f, t)| *f == "+" || f == t));
-    }
 
     #[test]
     fn an_empty_payload_means_deleted() {

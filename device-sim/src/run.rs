@@ -160,8 +160,9 @@ struct NodeContext<'a> {
 }
 
 impl NodeContext<'_> {
-    /// Opens the node's CoAP client and MQTT session and spawns its devices
-    /// and the session's event loop.
+    /// Opens the node's CoAP client and its MQTT sessions (one per
+    /// [`mqtt::DEVICES_PER_SESSION`] devices) and spawns its devices and the
+    /// sessions' event loops.
     async fn spawn(
         &self,
         slots: &[&DeviceSlot],
@@ -180,7 +181,22 @@ impl NodeContext<'_> {
                 .await
                 .with_context(|| format!("opening a UDP socket to {agent}"))?,
         );
-        let client_id = format!("edgefleet-sim-{}-{node}", std::process::id());
+        for (group, slots) in slots.chunks(mqtt::DEVICES_PER_SESSION).enumerate() {
+            self.spawn_group(group, slots, &coap, tasks);
+        }
+        Ok(())
+    }
+
+    /// Spawns one MQTT session and the devices that share it.
+    fn spawn_group(
+        &self,
+        group: usize,
+        slots: &[&DeviceSlot],
+        coap: &Arc<CoapClient>,
+        tasks: &mut JoinSet<Option<FinalState>>,
+    ) {
+        let node = &self.endpoint.name;
+        let client_id = format!("edgefleet-sim-{}-{node}-{group}", std::process::id());
         let (mqtt, eventloop) = mqtt::connect(
             &client_id,
             &self.endpoint.mqtt_host,
@@ -194,7 +210,7 @@ impl NodeContext<'_> {
             routes.insert(topics::desired(node, &key), inbox_tx);
             let reporter = match slot.transport {
                 Transport::Coap => Reporter::Coap {
-                    client: Arc::clone(&coap),
+                    client: Arc::clone(coap),
                     namespace: key.namespace.clone(),
                     name: key.name.clone(),
                     params: self.config.retransmit,
@@ -221,7 +237,6 @@ impl NodeContext<'_> {
         let session = mqtt::drive(
             eventloop,
             mqtt,
-            mqtt::desired_filter(node, &self.config.namespace),
             routes,
             Arc::clone(self.stats),
             self.stop.clone(),
@@ -230,7 +245,6 @@ impl NodeContext<'_> {
             session.await;
             None
         });
-        Ok(())
     }
 }
 

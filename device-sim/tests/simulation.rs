@@ -425,3 +425,49 @@ async fn periodic_scenario() {
     assert_eq!(summary.desired_deleted, 1, "{summary}");
     assert!(summary.reports_acknowledged >= 5, "{summary}");
 }
+
+/// More devices on one node than a broker connection has in-flight slots:
+/// every device still gets the desired state retained before it started.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_device_of_a_large_node_gets_its_retained_desired_state() {
+    const DEVICES: usize = 250;
+    let broker_port = start_broker().await;
+    let (coap_addr, _coap_reports) = start_coap_responder().await;
+    let mut agent = TestMqtt::connect(broker_port).await;
+    for i in 0..DEVICES {
+        agent
+            .publish_desired(
+                &format!("dev-{i:05}"),
+                &desired(1, &[("setpoint", PropertyValue::Float(20.0))]),
+            )
+            .await;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("applied.jsonl");
+    let mut config = config(DEVICES, 0, Duration::from_secs(60), coap_addr, broker_port);
+    config.applied_log = Some(log.clone());
+    let (stop, stopped) = oneshot::channel::<()>();
+    let sim = tokio::spawn(edgefleet_sim::run(config, async {
+        let _ = stopped.await;
+    }));
+    within(
+        20,
+        "every device applied its retained desired state",
+        async {
+            loop {
+                let applied = std::fs::read_to_string(&log)
+                    .unwrap_or_default()
+                    .lines()
+                    .count();
+                if applied == DEVICES {
+                    break;
+                }
+                sleep(Duration::from_millis(100)).await;
+            }
+        },
+    )
+    .await;
+    stop.send(()).unwrap();
+    let summary = sim.await.unwrap().unwrap();
+    assert_eq!(summary.desired_applied, DEVICES as u64, "{summary}");
+}
