@@ -13,7 +13,7 @@
 //! uplink sequence number to its agent only once the write that carries it
 //! succeeded (or turned out unnecessary).
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::num::NonZeroU32;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -30,6 +30,9 @@ use kube::{Api, Client};
 use tokio::sync::{Notify, mpsc};
 
 use crate::events::{Events, Note, device_reference};
+
+/// Status writes on their way at once (each for another device).
+pub const CONCURRENT_WRITES: usize = 8;
 
 /// The field manager of every status write the controller makes.
 pub const FIELD_MANAGER: &str = "edgefleet-cloud";
@@ -135,8 +138,13 @@ struct Pending {
 
 #[derive(Debug, Default)]
 struct State {
+    // Devices with changes waiting, oldest first; may hold a key twice or a
+    // key without pending changes (skipped when popped).
     queue: VecDeque<ResourceKey>,
     pending: HashMap<ResourceKey, Pending>,
+    // Devices with a write on its way: never two writes for one device at
+    // once, so they cannot land out of order.
+    writing: HashSet<ResourceKey>,
     // The status as this manager last wrote it: the base of the next write.
     written: HashMap<ResourceKey, DeviceStatus>,
 }
@@ -214,26 +222,77 @@ impl StatusWriter {
         self.inner.wake.notify_one();
     }
 
-    /// Writes until the process ends.
+    /// Writes until the process ends: up to [`CONCURRENT_WRITES`] at once
+    /// (for different devices), all paced by the one rate limit.
     pub async fn run(self) {
+        let mut writes = tokio::task::JoinSet::new();
         loop {
-            let next = {
-                let mut state = self.inner.state.lock().expect("status state");
-                state.queue.pop_front().map(|key| {
-                    let pending = state.pending.remove(&key).unwrap_or_default();
-                    (key, pending)
-                })
-            };
-            let Some((key, pending)) = next else {
-                self.inner.wake.notified().await;
-                continue;
-            };
-            if let Err(pending) = self.write(&key, pending).await {
-                // Put it back at the end; newer changes merge into it.
-                self.inner.metrics.failures.inc();
-                self.requeue(key, pending);
-                tokio::time::sleep(Duration::from_millis(500)).await;
+            while writes.len() < CONCURRENT_WRITES {
+                let Some((key, pending)) = self.next_write() else {
+                    break;
+                };
+                let writer = self.clone();
+                writes.spawn(async move {
+                    let result = writer.write(&key, pending).await;
+                    if result.is_err() {
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                    }
+                    (key, result)
+                });
             }
+            tokio::select! {
+                Some(done) = writes.join_next(), if !writes.is_empty() => {
+                    let (key, result) = done.expect("a status write panicked");
+                    if let Err(pending) = result {
+                        // Back in line; newer changes merge into it.
+                        self.inner.metrics.failures.inc();
+                        self.requeue(key.clone(), pending);
+                    }
+                    self.written(&key);
+                }
+                () = self.inner.wake.notified() => {}
+            }
+        }
+    }
+
+    /// The oldest device with changes and no write on its way.
+    fn next_write(&self) -> Option<(ResourceKey, Pending)> {
+        let mut state = self.inner.state.lock().expect("status state");
+        let State {
+            queue,
+            pending,
+            writing,
+            ..
+        } = &mut *state;
+        let mut busy = Vec::new();
+        let next = loop {
+            let Some(key) = queue.pop_front() else {
+                break None;
+            };
+            if writing.contains(&key) {
+                busy.push(key);
+                continue;
+            }
+            if let Some(changes) = pending.remove(&key) {
+                writing.insert(key.clone());
+                break Some((key, changes));
+            }
+        };
+        // Their turn comes when their write is done.
+        for key in busy.into_iter().rev() {
+            queue.push_front(key);
+        }
+        next
+    }
+
+    /// A write of `key` is done: its next changes may go.
+    fn written(&self, key: &ResourceKey) {
+        let mut state = self.inner.state.lock().expect("status state");
+        state.writing.remove(key);
+        let waiting = state.pending.contains_key(key);
+        drop(state);
+        if waiting {
+            self.inner.wake.notify_one();
         }
     }
 
