@@ -188,7 +188,11 @@ impl StatusWriter {
                 devices,
                 state: Mutex::default(),
                 wake: Notify::new(),
-                limiter: RateLimiter::direct(Quota::per_second(writes_per_second)),
+                // No burst: writes are spread evenly over each second, so
+                // no second sees more than the budget after a quiet spell.
+                limiter: RateLimiter::direct(
+                    Quota::per_second(writes_per_second).allow_burst(NonZeroU32::MIN),
+                ),
                 metrics,
                 events,
             }),
