@@ -168,9 +168,10 @@ fn start() -> anyhow::Result<ControlPlane> {
             let _ = child.kill();
             let _ = child.wait();
             return Err(e.context(format!(
-                "control plane stderr:\n{}\nkube-apiserver log:\n{}",
+                "control plane stderr:\n{}\nkube-apiserver log:\n{}\n{}",
                 tail(&log_path, 20),
-                tail(&data_dir.join("logs/kube-apiserver.log"), 20)
+                tail(&data_dir.join("logs/kube-apiserver.log"), 20),
+                free_space(&data_dir)
             )));
         }
     };
@@ -327,6 +328,18 @@ async fn await_policy_enforced(client: &Client) -> anyhow::Result<()> {
             }
             Err(e) => return Err(e.into()),
         }
+    }
+}
+
+/// "free space in DIR: N MiB" — empty logs above usually mean a full disk.
+fn free_space(dir: &Path) -> String {
+    match nix::sys::statvfs::statvfs(dir) {
+        Ok(fs) => format!(
+            "free space in {}: {} MiB",
+            dir.display(),
+            fs.blocks_available() * fs.fragment_size() / (1024 * 1024)
+        ),
+        Err(e) => format!("free space in {}: unknown ({e})", dir.display()),
     }
 }
 
