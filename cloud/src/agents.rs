@@ -7,6 +7,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
+use std::time::Instant;
 
 use edgefleet_shared::ResourceKey;
 
@@ -14,6 +15,8 @@ use edgefleet_shared::ResourceKey;
 #[derive(Debug, Default)]
 pub struct Agents {
     nodes: Mutex<HashMap<String, Held>>,
+    // When each node's last session ended (while it has none).
+    gone: Mutex<HashMap<String, Instant>>,
 }
 
 #[derive(Debug)]
@@ -29,6 +32,7 @@ impl Agents {
     pub fn connected(&self, node: &str, session: u64, held: impl IntoIterator<Item = ResourceKey>) {
         let keys = held.into_iter().collect();
         self.lock().insert(node.to_owned(), Held { session, keys });
+        self.gone.lock().expect("agents lock").remove(node);
     }
 
     /// The agent acknowledged an Update with these upserts and removals.
@@ -54,6 +58,10 @@ impl Agents {
         let mut nodes = self.lock();
         if nodes.get(node).is_some_and(|h| h.session == session) {
             nodes.remove(node);
+            self.gone
+                .lock()
+                .expect("agents lock")
+                .insert(node.to_owned(), Instant::now());
         }
     }
 
@@ -61,6 +69,12 @@ impl Agents {
     /// connected.
     pub fn holds(&self, node: &str, key: &ResourceKey) -> Option<bool> {
         self.lock().get(node).map(|h| h.keys.contains(key))
+    }
+
+    /// When the last session of `node` ended, if it has none now and had
+    /// one since this process started.
+    pub fn disconnected_since(&self, node: &str) -> Option<Instant> {
+        self.gone.lock().expect("agents lock").get(node).copied()
     }
 
     /// Whether an agent of `node` is connected.
@@ -90,8 +104,12 @@ mod tests {
         agents.acknowledged("edge-1", 1, &[key("b")], &[key("a")]);
         assert_eq!(agents.holds("edge-1", &key("a")), Some(false));
         assert_eq!(agents.holds("edge-1", &key("b")), Some(true));
+        assert_eq!(agents.disconnected_since("edge-1"), None);
         agents.disconnected("edge-1", 1);
         assert_eq!(agents.holds("edge-1", &key("b")), None);
+        assert!(agents.disconnected_since("edge-1").is_some());
+        agents.connected("edge-1", 2, []);
+        assert_eq!(agents.disconnected_since("edge-1"), None);
     }
 
     #[test]

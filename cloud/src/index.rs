@@ -156,6 +156,16 @@ impl Index {
         }
     }
 
+    /// The Devices of `node` now.
+    pub fn devices_of(&self, node: &str) -> Vec<ResourceKey> {
+        let inner = self.inner.lock().expect("index lock");
+        inner
+            .nodes
+            .get(node)
+            .map(|slice| slice.borrow().keys().cloned().collect())
+            .unwrap_or_default()
+    }
+
     /// The latest slice of `node`, and every change after it.
     pub fn subscribe(&self, node: &str) -> watch::Receiver<NodeSlice> {
         self.inner

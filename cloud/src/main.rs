@@ -51,6 +51,10 @@ struct RunArgs {
     /// Serve only the Devices of this namespace (default: all namespaces).
     #[arg(long, env = "EDGEFLEET_NAMESPACE")]
     namespace: Option<String>,
+    /// How long a node may be without an agent before it and its Devices
+    /// are marked unreachable (seconds).
+    #[arg(long, env = "EDGEFLEET_NODE_GRACE_SECONDS", default_value_t = 40)]
+    node_grace_seconds: u64,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -96,6 +100,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         event_metrics,
         instance: args.instance,
         namespace: args.namespace,
+        node_grace_period: std::time::Duration::from_secs(args.node_grace_seconds),
     };
     let controller = Controller::start(client, settings).await?;
     readiness.set(true);

@@ -40,6 +40,9 @@ pub struct Settings {
     pub instance: Option<String>,
     /// Serve only the Devices of this namespace (all namespaces if `None`).
     pub namespace: Option<String>,
+    /// How long a node may be without an agent before it and its Devices
+    /// are marked unreachable.
+    pub node_grace_period: std::time::Duration,
 }
 
 /// A running controller.
@@ -98,6 +101,15 @@ impl Controller {
         tasks.spawn(status.clone().run());
         devices.wait_until_ready().await?;
         edge_nodes.wait_until_ready().await?;
+        let liveness = crate::liveness::Liveness {
+            client: client.clone(),
+            edge_nodes: edge_nodes.clone(),
+            agents: Arc::clone(&agents),
+            index: Arc::clone(&index),
+            status: status.clone(),
+            grace: settings.node_grace_period,
+        };
+        tasks.spawn(liveness.run());
         let context = Context::new(
             client.clone(),
             devices_api,

@@ -67,6 +67,13 @@ pub enum StatusChange {
         /// The generation accepted.
         generation: i64,
     },
+    /// The Device's edge node has had no agent for the grace period.
+    NodeUnreachable {
+        /// The node.
+        node: String,
+    },
+    /// The Device's edge node has an agent again.
+    NodeReachable,
     /// The agent refused to store this generation.
     Rejected {
         /// The Device's uid the agent was sent.
@@ -436,6 +443,7 @@ pub fn next_status(
     now: Timestamp,
 ) -> DeviceStatus {
     let mut next = base.clone();
+    let mut reported = false;
     for change in changes {
         match change {
             StatusChange::Delivered {
@@ -456,6 +464,33 @@ pub fn next_status(
                     failed.reason = "Delivered".to_owned();
                     failed.message = format!("the agent stored generation {g}");
                     failed.last_transition_time = Time(now);
+                }
+            }
+            StatusChange::NodeUnreachable { node } => {
+                reported = false;
+                crate::conditions::set(
+                    &mut next.conditions,
+                    Condition {
+                        type_: condition::ONLINE.to_owned(),
+                        status: "Unknown".to_owned(),
+                        reason: NODE_UNREACHABLE.to_owned(),
+                        message: format!("no agent of node {node} is connected"),
+                        observed_generation: Some(generation),
+                        last_transition_time: Time(now),
+                    },
+                );
+            }
+            StatusChange::NodeReachable => {
+                if is_unreachable(&next) {
+                    set_condition(
+                        &mut next.conditions,
+                        condition::ONLINE,
+                        true,
+                        "NodeReconnected",
+                        "the node's agent is connected again",
+                        generation,
+                        now,
+                    );
                 }
             }
             StatusChange::Observed { generation: g } => {
@@ -486,6 +521,7 @@ pub fn next_status(
                 firmware_version,
                 received_at_ms,
             } => {
+                reported = true;
                 next.applied_generation = Some(*applied_generation);
                 next.reported = properties.clone();
                 if firmware_version.is_some() {
@@ -504,13 +540,14 @@ pub fn next_status(
 
     let delivered = next.delivered_generation.is_some_and(|d| d >= generation);
     let applied = next.applied_generation.is_some_and(|a| a >= generation);
-    let online = next.last_seen.is_some();
     let failed = next.conditions.iter().any(|c| {
         c.type_ == condition::UPDATE_FAILED
             && c.status == "True"
             && c.observed_generation == Some(generation)
     });
-    next.phase = Some(if applied {
+    next.phase = Some(if is_unreachable(&next) {
+        DevicePhase::Unreachable
+    } else if applied {
         DevicePhase::Applied
     } else if failed {
         DevicePhase::Failed
@@ -551,7 +588,7 @@ pub fn next_status(
         generation,
         now,
     );
-    if online {
+    if reported {
         set_condition(
             &mut next.conditions,
             condition::ONLINE,
@@ -563,6 +600,16 @@ pub fn next_status(
         );
     }
     next
+}
+
+/// The reason of `Online=Unknown` when a Device's node has no agent.
+pub const NODE_UNREACHABLE: &str = "NodeUnreachable";
+
+fn is_unreachable(status: &DeviceStatus) -> bool {
+    status
+        .conditions
+        .iter()
+        .any(|c| c.type_ == condition::ONLINE && c.status == "Unknown")
 }
 
 fn set_condition(
@@ -627,6 +674,47 @@ mod tests {
         let applied = s2.conditions.iter().find(|c| c.type_ == "Applied").unwrap();
         assert_eq!(applied.status, "True");
         assert_eq!(applied.observed_generation, Some(2));
+    }
+
+    #[test]
+    fn an_unreachable_node_makes_its_devices_online_unknown_until_it_is_back() {
+        let applied = next_status(
+            &DeviceStatus::default(),
+            &[report(1, 20.0, 1)],
+            "u",
+            1,
+            at(1),
+        );
+        let gone = StatusChange::NodeUnreachable {
+            node: "edge-1".into(),
+        };
+        let s1 = next_status(&applied, std::slice::from_ref(&gone), "u", 1, at(2));
+        assert_eq!(s1.phase, Some(DevicePhase::Unreachable));
+        let online = |s: &DeviceStatus| {
+            let c = s.conditions.iter().find(|c| c.type_ == "Online").unwrap();
+            (c.status.clone(), c.reason.clone())
+        };
+        assert_eq!(online(&s1), ("Unknown".into(), "NodeUnreachable".into()));
+        // Unreachable again: nothing to write.
+        assert_eq!(next_status(&s1, &[gone], "u", 1, at(3)), s1);
+        // Other changes keep it unreachable.
+        let s2 = next_status(
+            &s1,
+            &[StatusChange::Observed { generation: 1 }],
+            "u",
+            1,
+            at(4),
+        );
+        assert_eq!(s2.phase, Some(DevicePhase::Unreachable));
+
+        let s3 = next_status(&s2, &[StatusChange::NodeReachable], "u", 1, at(5));
+        assert_eq!(s3.phase, Some(DevicePhase::Applied));
+        assert_eq!(online(&s3), ("True".into(), "NodeReconnected".into()));
+        // Reachable while reachable: nothing to write.
+        assert_eq!(
+            next_status(&s3, &[StatusChange::NodeReachable], "u", 1, at(6)),
+            s3
+        );
     }
 
     #[test]

@@ -163,6 +163,11 @@ impl proto::sync_server::Sync for SyncService {
         let (tx, rx) = mpsc::channel(16);
         let id = self.sessions.fetch_add(1, Ordering::Relaxed);
         self.agents.connected(&hello.node, id, held.keys().cloned());
+        // Devices marked unreachable while the node was away are back (a
+        // change that alters nothing costs no write).
+        for key in self.index.devices_of(&hello.node) {
+            self.status.submit(key, StatusChange::NodeReachable, None);
+        }
         let session = Session {
             id,
             agents: Arc::clone(&self.agents),

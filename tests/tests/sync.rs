@@ -18,6 +18,9 @@ use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use serde_json::json;
 
+/// The controllers' grace period for absent agents.
+const NODE_GRACE: Duration = Duration::from_secs(2);
+
 /// A controller serving the Devices of namespace `ns` (tests run side by
 /// side on one API server; each controller minds its own namespace).
 async fn start_controller(client: &Client, ns: &str) -> Controller {
@@ -32,6 +35,7 @@ async fn start_controller(client: &Client, ns: &str) -> Controller {
             event_metrics: Default::default(),
             instance: Some("test".into()),
             namespace: Some(ns.to_owned()),
+            node_grace_period: NODE_GRACE,
         },
     )
     .await
@@ -433,6 +437,87 @@ async fn the_reconciler_accepts_generations_and_holds_a_deletion_until_the_edge_
             .unwrap()
             .is_none()
             .then_some(())
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn an_absent_agent_makes_its_node_and_devices_unreachable_until_it_returns() {
+    let client = control_plane().client().await;
+    let ns = test_namespace(&client, "sync-absent").await;
+    let controller = start_controller(&client, &ns).await;
+    let tmp = tempfile::tempdir().unwrap();
+    let store = Store::open(&tmp.path().join("store")).unwrap().store;
+    let node = node_name("edge-absent");
+    let agent = start_agent(&controller, &node, &store);
+    let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
+    let nodes: Api<EdgeNode> = Api::all(client.clone());
+    let key = ResourceKey::device(&ns, "t1");
+    devices
+        .create(
+            &PostParams::default(),
+            &Device::new("t1", thermostat(&node, 20.0)),
+        )
+        .await
+        .unwrap();
+    eventually("the agent stores the Device", || async {
+        store.desired(&key).unwrap()
+    })
+    .await;
+    let report = DeviceReport {
+        applied_generation: 1,
+        properties: BTreeMap::from([("setpoint".to_owned(), PropertyValue::Float(20.0))]),
+        firmware_version: None,
+    };
+    store
+        .record_report(&key, report, 1_700_000_000_000)
+        .await
+        .unwrap();
+    eventually("the device is Applied", || async {
+        let s = devices.get("t1").await.unwrap().status?;
+        (s.phase == Some(DevicePhase::Applied)).then_some(())
+    })
+    .await;
+
+    let condition = |conditions: &[k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition],
+                     kind: &str| {
+        conditions
+            .iter()
+            .find(|c| c.type_ == kind)
+            .map(|c| (c.status.clone(), c.reason.clone()))
+    };
+    let gone_at = std::time::Instant::now();
+    agent.abort();
+    eventually("the EdgeNode is Ready=Unknown, NodeUnreachable", || async {
+        let status = nodes.get(&node).await.unwrap().status?;
+        (condition(&status.conditions, "Ready")
+            == Some(("Unknown".into(), "NodeUnreachable".into())))
+        .then_some(())
+    })
+    .await;
+    assert!(
+        gone_at.elapsed() >= NODE_GRACE,
+        "marked unreachable before the grace period ended"
+    );
+    eventually("the Device is Online=Unknown, NodeUnreachable", || async {
+        let s = devices.get("t1").await.unwrap().status?;
+        (condition(&s.conditions, "Online") == Some(("Unknown".into(), "NodeUnreachable".into()))
+            && s.phase == Some(DevicePhase::Unreachable))
+        .then_some(())
+    })
+    .await;
+
+    let _agent = start_agent(&controller, &node, &store);
+    eventually("the EdgeNode is Ready again", || async {
+        let status = nodes.get(&node).await.unwrap().status?;
+        (condition(&status.conditions, "Ready").map(|c| c.0) == Some("True".into())).then_some(())
+    })
+    .await;
+    eventually("the Device is Online and Applied again", || async {
+        let s = devices.get("t1").await.unwrap().status?;
+        (condition(&s.conditions, "Online").map(|c| c.0) == Some("True".into())
+            && s.phase == Some(DevicePhase::Applied))
+        .then_some(())
     })
     .await;
 }
