@@ -103,6 +103,7 @@ pub async fn drive(
                 });
             }
             Ok(Event::Incoming(Packet::Publish(publish))) => {
+                tracing::debug!(topic = %publish.topic, bytes = publish.payload.len(), retained = publish.retain, "desired state received");
                 let Some(inbox) = routes.get(&publish.topic) else {
                     // A device of this node and namespace that this
                     // simulation does not run.

@@ -293,6 +293,7 @@ async fn publish_one(
                 .await
                 .is_ok()
             {
+                tracing::debug!(device = %key, generation = device.version.generation, "desired state queued for the broker");
                 metrics.desired_published.inc();
             }
         }

@@ -34,6 +34,9 @@ pub struct StackSpec {
     pub status_writes_per_second: u32,
     /// Where logs and agent stores go.
     pub dir: PathBuf,
+    /// Limit the controller to the fleet's namespace (tests running side by
+    /// side on one API server), or let it serve all namespaces.
+    pub namespaced_controller: bool,
 }
 
 /// One edge node's agent and where it listens.
@@ -47,6 +50,7 @@ pub struct Agent {
     pub mqtt: SocketAddr,
     /// `/metrics` and `/healthz`.
     pub metrics: SocketAddr,
+    args: Vec<String>,
     process: Process,
 }
 
@@ -72,17 +76,21 @@ impl Stack {
             binary(name);
         }
         let (sync, cloud_metrics) = (free_tcp_addr(), free_tcp_addr());
+        let mut cloud_args = vec![
+            "run".into(),
+            format!("--sync-addr={sync}"),
+            format!("--metrics-addr={cloud_metrics}"),
+            format!(
+                "--status-writes-per-second={}",
+                spec.status_writes_per_second
+            ),
+        ];
+        if spec.namespaced_controller {
+            cloud_args.push(format!("--namespace={}", spec.namespace));
+        }
         let cloud = Process::start_logged(
             "edgefleet-cloud",
-            &[
-                "run".into(),
-                format!("--sync-addr={sync}"),
-                format!("--metrics-addr={cloud_metrics}"),
-                format!(
-                    "--status-writes-per-second={}",
-                    spec.status_writes_per_second
-                ),
-            ],
+            &cloud_args,
             &[("KUBECONFIG", kubeconfig.display().to_string())],
             Some(&spec.dir.join("cloud.log")),
         )?;
@@ -91,24 +99,21 @@ impl Stack {
         let mut agents = Vec::new();
         for node in &spec.nodes {
             let (coap, mqtt, metrics) = (free_udp_addr(), free_tcp_addr(), free_tcp_addr());
-            let process = Process::start_logged(
-                "edgefleet-agent",
-                &[
-                    format!("--node={node}"),
-                    format!("--cloud=http://{sync}"),
-                    format!("--data-dir={}", spec.dir.join(node).display()),
-                    format!("--coap-bind={coap}"),
-                    format!("--mqtt-listen={mqtt}"),
-                    format!("--metrics-addr={metrics}"),
-                ],
-                &[],
-                Some(&spec.dir.join(format!("agent-{node}.log"))),
-            )?;
+            let args = vec![
+                format!("--node={node}"),
+                format!("--cloud=http://{sync}"),
+                format!("--data-dir={}", spec.dir.join(node).display()),
+                format!("--coap-bind={coap}"),
+                format!("--mqtt-listen={mqtt}"),
+                format!("--metrics-addr={metrics}"),
+            ];
+            let process = start_agent(&spec.dir, node, &args, 0)?;
             agents.push(Agent {
                 node: node.clone(),
                 coap,
                 mqtt,
                 metrics,
+                args,
                 process,
             });
         }
@@ -218,6 +223,24 @@ impl Stack {
         Ok(())
     }
 
+    /// Kills agent `index` with SIGKILL and starts it again with the same
+    /// flags, store and ports; returns once it answers `/healthz`.
+    pub async fn kill_and_restart_agent(
+        &mut self,
+        index: usize,
+        restart: u32,
+    ) -> anyhow::Result<()> {
+        let agent = &mut self.agents[index];
+        agent.process.kill();
+        agent.process = start_agent(&self.spec.dir, &agent.node, &agent.args, restart)?;
+        wait_http(
+            agent.metrics,
+            "/healthz",
+            &format!("the restarted agent of {}", agent.node),
+        )
+        .await
+    }
+
     /// Resident memory of the controller and of each agent, in bytes.
     pub fn memory(&self) -> (Option<u64>, Vec<Option<u64>>) {
         (
@@ -234,6 +257,16 @@ impl Stack {
         }
         self.cloud.stop(Duration::from_secs(10));
     }
+}
+
+/// Starts an agent; its log is `agent-<node>.log` (`…-<restart>.log` for
+/// a restart).
+fn start_agent(dir: &Path, node: &str, args: &[String], restart: u32) -> anyhow::Result<Process> {
+    let log = match restart {
+        0 => dir.join(format!("agent-{node}.log")),
+        n => dir.join(format!("agent-{node}-{n}.log")),
+    };
+    Process::start_logged("edgefleet-agent", args, &[], Some(&log))
 }
 
 /// Creates `namespace` unless it exists.

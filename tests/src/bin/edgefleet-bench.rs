@@ -19,9 +19,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use clap::Parser;
 use edgefleet_shared::api::Device;
-use edgefleet_shared::codec::DeviceReport;
-use edgefleet_shared::{PropertyValue, now_unix_ms};
+use edgefleet_shared::now_unix_ms;
 use edgefleet_tests::control_plane;
+use edgefleet_tests::final_state::{matches_final, read_final_state};
 use edgefleet_tests::process::{http_get, metric};
 use edgefleet_tests::stack::{Stack, StackSpec};
 use futures::StreamExt;
@@ -87,6 +87,7 @@ async fn main() -> anyhow::Result<()> {
         mqtt_every: 0,
         status_writes_per_second: cli.status_writes_per_second,
         dir: cli.dir.clone(),
+        namespaced_controller: true,
     };
     let mut stack = Stack::start(spec, &kubeconfig).await?;
     let devices: Api<Device> = Api::namespaced(client.clone(), NAMESPACE);
@@ -377,43 +378,6 @@ async fn wait_all(
 async fn cloud_metric(stack: &Stack, sample: &str) -> anyhow::Result<f64> {
     let (_, body) = http_get(stack.cloud_metrics, "/metrics").await?;
     Ok(metric(&body, sample))
-}
-
-fn read_final_state(path: &Path) -> anyhow::Result<HashMap<String, DeviceReport>> {
-    #[derive(serde::Deserialize)]
-    struct Line {
-        device: String,
-        report: Option<DeviceReport>,
-    }
-    let mut finals = HashMap::new();
-    for line in std::fs::read_to_string(path)?.lines() {
-        let line: Line = serde_json::from_str(line)?;
-        if let (Some(name), Some(report)) = (line.device.split('/').nth(1), line.report) {
-            finals.insert(name.to_owned(), report);
-        }
-    }
-    Ok(finals)
-}
-
-/// Whether a Device's status shows exactly its device's last report
-/// (numbers compared by value: the API server turns 19.0 into 19).
-fn matches_final(device: &Device, finals: &HashMap<String, DeviceReport>) -> bool {
-    let Some(last) = finals.get(&device.name_any()) else {
-        return false;
-    };
-    let Some(status) = device.status.as_ref() else {
-        return false;
-    };
-    let same = |a: &PropertyValue, b: &PropertyValue| match (a.as_f64(), b.as_f64()) {
-        (Some(x), Some(y)) => x == y,
-        _ => a == b,
-    };
-    status.applied_generation == Some(last.applied_generation)
-        && status.reported.len() == last.properties.len()
-        && last
-            .properties
-            .iter()
-            .all(|(k, v)| status.reported.get(k).is_some_and(|s| same(s, v)))
 }
 
 /// "p50 X ms, p99 Y ms, max Z ms (n=N)".

@@ -81,6 +81,7 @@ async fn main() -> anyhow::Result<()> {
         mqtt_every: cli.mqtt_every,
         status_writes_per_second: cli.status_writes_per_second,
         dir: cli.dir.clone(),
+        namespaced_controller: false,
     };
     say(&format!(
         "starting the cloud controller and {} agents",
