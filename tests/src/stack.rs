@@ -63,6 +63,8 @@ pub struct Stack {
     pub cloud_metrics: SocketAddr,
     /// The agents.
     pub agents: Vec<Agent>,
+    cloud_args: Vec<String>,
+    kubeconfig: PathBuf,
     cloud: Process,
     sim: Option<Process>,
 }
@@ -88,12 +90,7 @@ impl Stack {
         if spec.namespaced_controller {
             cloud_args.push(format!("--namespace={}", spec.namespace));
         }
-        let cloud = Process::start_logged(
-            "edgefleet-cloud",
-            &cloud_args,
-            &[("KUBECONFIG", kubeconfig.display().to_string())],
-            Some(&spec.dir.join("cloud.log")),
-        )?;
+        let cloud = start_cloud(&spec.dir, &cloud_args, kubeconfig, 0)?;
         wait_http(cloud_metrics, "/readyz", "the cloud controller").await?;
 
         let mut agents = Vec::new();
@@ -129,6 +126,8 @@ impl Stack {
             spec,
             cloud_metrics,
             agents,
+            cloud_args,
+            kubeconfig: kubeconfig.to_owned(),
             cloud,
             sim: None,
         })
@@ -241,6 +240,25 @@ impl Stack {
         .await
     }
 
+    /// Kills the controller with SIGKILL, runs `meanwhile` while it is
+    /// down, then starts it again with the same flags; returns once it is
+    /// ready.
+    pub async fn kill_and_restart_cloud_after<F, Fut>(&mut self, meanwhile: F) -> anyhow::Result<()>
+    where
+        F: FnOnce() -> Fut,
+        Fut: std::future::Future<Output = ()>,
+    {
+        self.cloud.kill();
+        meanwhile().await;
+        self.cloud = start_cloud(&self.spec.dir, &self.cloud_args, &self.kubeconfig, 1)?;
+        wait_http(
+            self.cloud_metrics,
+            "/readyz",
+            "the restarted cloud controller",
+        )
+        .await
+    }
+
     /// Resident memory of the controller and of each agent, in bytes.
     pub fn memory(&self) -> (Option<u64>, Vec<Option<u64>>) {
         (
@@ -257,6 +275,22 @@ impl Stack {
         }
         self.cloud.stop(Duration::from_secs(10));
     }
+}
+
+/// Starts the controller; its log is `cloud.log` (`cloud-<restart>.log` for
+/// a restart).
+fn start_cloud(
+    dir: &Path,
+    args: &[String],
+    kubeconfig: &Path,
+    restart: u32,
+) -> anyhow::Result<Process> {
+    let log = match restart {
+        0 => dir.join("cloud.log"),
+        n => dir.join(format!("cloud-{n}.log")),
+    };
+    let env = [("KUBECONFIG", kubeconfig.display().to_string())];
+    Process::start_logged("edgefleet-cloud", args, &env, Some(&log))
 }
 
 /// Starts an agent; its log is `agent-<node>.log` (`…-<restart>.log` for

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use edgefleet_shared::api::Device;
 use edgefleet_tests::final_state::{matches_final, read_final_state};
+use edgefleet_tests::process::{http_get, metric};
 use edgefleet_tests::stack::{Stack, StackSpec};
 use edgefleet_tests::{control_plane, eventually, test_namespace};
 use kube::Api;
@@ -126,5 +127,83 @@ async fn an_agent_killed_at_random_moments_loses_no_report_and_no_desired_state(
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
     assert_eq!(list.items.len(), DEVICES);
+    stack.shutdown();
+}
+
+/// The controller killed with SIGKILL while Devices change and one is
+/// deleted: the agent reconnects to the new controller, which sends only the
+/// difference (the changed Devices, the removal), not everything again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_controller_is_replaced_and_resync_is_only_the_difference() {
+    const FLEET: usize = 12;
+    let cp = control_plane();
+    let client = cp.client().await;
+    let ns = test_namespace(&client, "crash-cloud").await;
+    let dir = tempfile::tempdir().unwrap();
+    let spec = StackSpec {
+        nodes: vec![format!("edge-crash-cloud-{}", std::process::id())],
+        namespace: ns.clone(),
+        devices: FLEET,
+        mqtt_every: 0,
+        status_writes_per_second: 200,
+        dir: dir.path().to_owned(),
+        namespaced_controller: true,
+    };
+    let mut stack = Stack::start(spec, cp.kubeconfig()).await.unwrap();
+    stack.apply_devices(&client).await.unwrap();
+    stack
+        .start_sim(&["--report-interval=500ms".into()])
+        .unwrap();
+    let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
+    let applied = |count: usize| {
+        let devices = devices.clone();
+        move || {
+            let devices = devices.clone();
+            async move {
+                let list = devices.list(&Default::default()).await.ok()?;
+                let applied = list.items.iter().all(|d| {
+                    d.status.as_ref().and_then(|s| s.applied_generation) == d.metadata.generation
+                });
+                (list.items.len() == count && applied).then_some(())
+            }
+        }
+    };
+    eventually("every device applied its desired state", applied(FLEET)).await;
+
+    // The controller dies; meanwhile two Devices change and one is deleted
+    // (its finalizer holds it until a controller lets it go).
+    stack
+        .kill_and_restart_cloud_after(|| async {
+            for name in ["dev-00001", "dev-00002"] {
+                let patch = serde_json::json!({ "spec": { "desired": { "while": "away" } } });
+                devices
+                    .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await
+                    .unwrap();
+            }
+            devices
+                .delete("dev-00003", &Default::default())
+                .await
+                .unwrap();
+        })
+        .await
+        .unwrap();
+
+    eventually(
+        "the changes reach their devices through the new controller",
+        applied(FLEET - 1),
+    )
+    .await;
+    let (_, body) = http_get(stack.cloud_metrics, "/metrics").await.unwrap();
+    assert_eq!(
+        metric(&body, "edgefleet_cloud_sync_streams"),
+        1.0,
+        "the agent reconnected"
+    );
+    assert_eq!(
+        metric(&body, "edgefleet_cloud_sync_resources_sent_total"),
+        2.0,
+        "the new controller sent only the two changed Devices:\n{body}"
+    );
     stack.shutdown();
 }
