@@ -3,7 +3,10 @@
 //!
 //! Events mark steps of a Device's pipeline that happen once per generation
 //! (accepted, applied, refused by the agent, removed), never per report, so
-//! their rate follows spec changes, not telemetry. A step that repeats
+//! their rate follows spec changes, not telemetry. Like client-go's event
+//! spam filter, they are best effort: beyond [`EVENTS_PER_SECOND`] (after a
+//! burst of [`EVENT_BURST`]) an Event is dropped and counted, so a change of
+//! a whole fleet does not add thousands of writes to the API server's load. A step that repeats
 //! within minutes becomes one Event with a growing `series.count` (the
 //! recorder's aggregation), so notes do not name generations: those are in
 //! the Device's status. Publishing runs in its own
@@ -13,7 +16,16 @@
 use edgefleet_shared::ResourceKey;
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use std::num::NonZeroU32;
+
+use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 use prometheus_client::metrics::counter::Counter;
+
+/// Events published per second at most, after a burst.
+pub const EVENTS_PER_SECOND: NonZeroU32 = NonZeroU32::new(10).unwrap();
+
+/// Events that may go at once after a quiet spell.
+pub const EVENT_BURST: NonZeroU32 = NonZeroU32::new(50).unwrap();
 
 /// The `reportingController` of every Event.
 pub const CONTROLLER: &str = "edgefleet.io/cloud";
@@ -22,6 +34,7 @@ pub const CONTROLLER: &str = "edgefleet.io/cloud";
 #[derive(Clone)]
 pub struct Events {
     recorder: Recorder,
+    limiter: std::sync::Arc<DefaultDirectRateLimiter>,
     metrics: EventMetrics,
 }
 
@@ -38,6 +51,8 @@ pub struct EventMetrics {
     pub published: Counter,
     /// Events the API server refused or did not answer.
     pub failed: Counter,
+    /// Events dropped by the rate limit.
+    pub dropped: Counter,
 }
 
 impl EventMetrics {
@@ -48,6 +63,11 @@ impl EventMetrics {
             "failed",
             "Events that could not be published",
             self.failed.clone(),
+        );
+        registry.register(
+            "dropped",
+            "Events dropped by the rate limit",
+            self.dropped.clone(),
         );
     }
 }
@@ -72,14 +92,20 @@ impl Events {
             controller: CONTROLLER.to_owned(),
             instance,
         };
+        let quota = Quota::per_second(EVENTS_PER_SECOND).allow_burst(EVENT_BURST);
         Events {
             recorder: Recorder::new(client, reporter),
+            limiter: std::sync::Arc::new(RateLimiter::direct(quota)),
             metrics,
         }
     }
 
     /// Publishes `note` about the object `regarding`, in the background.
     pub fn publish(&self, regarding: ObjectReference, note: Note) {
+        if self.limiter.check().is_err() {
+            self.metrics.dropped.inc();
+            return;
+        }
         let events = self.clone();
         tokio::spawn(async move {
             let event = Event {
