@@ -259,7 +259,7 @@ impl StatusWriter {
                         self.inner.metrics.failures.inc();
                         self.requeue(key.clone(), pending);
                     }
-                    self.written(&key);
+                    self.write_done(&key);
                 }
                 () = self.inner.wake.notified() => {}
             }
@@ -297,7 +297,7 @@ impl StatusWriter {
     }
 
     /// A write of `key` is done: its next changes may go.
-    fn written(&self, key: &ResourceKey) {
+    fn write_done(&self, key: &ResourceKey) {
         let mut state = self.inner.state.lock().expect("status state");
         state.writing.remove(key);
         let waiting = state.pending.contains_key(key);

@@ -22,6 +22,11 @@ pub struct NodeRow {
     pub connected: Option<bool>,
 }
 
+/// Whether a Device's device applied exactly its current generation.
+pub fn applied_current_generation(device: &Device) -> bool {
+    device.status.as_ref().and_then(|s| s.applied_generation) == device.metadata.generation
+}
+
 /// The view: rows by node name.
 pub fn summarize(devices: &[Device], nodes: &[EdgeNode]) -> BTreeMap<String, NodeRow> {
     let mut rows: BTreeMap<String, NodeRow> = BTreeMap::new();

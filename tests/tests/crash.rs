@@ -6,10 +6,12 @@
 //!
 //! The seed is printed; `EDGEFLEET_CRASH_SEED=N` replays a run.
 
+use std::path::Path;
 use std::time::Duration;
 
 use edgefleet_shared::api::Device;
 use edgefleet_tests::final_state::{matches_final, read_final_state};
+use edgefleet_tests::fleet_view::applied_current_generation;
 use edgefleet_tests::process::{http_get, metric};
 use edgefleet_tests::stack::{Stack, StackSpec};
 use edgefleet_tests::{control_plane, eventually, test_namespace};
@@ -19,6 +21,53 @@ use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 const DEVICES: usize = 24;
+
+/// A fleet of CoAP devices on one node in a fresh namespace: controller,
+/// agent and simulator running, every device Applied.
+struct Fleet {
+    stack: Stack,
+    devices: Api<Device>,
+    dir: tempfile::TempDir,
+}
+
+impl Fleet {
+    /// `sim_args` gets the fleet's directory (for files the simulator writes).
+    async fn start(hint: &str, count: usize, sim_args: impl FnOnce(&Path) -> Vec<String>) -> Fleet {
+        let cp = control_plane();
+        let client = cp.client().await;
+        let ns = test_namespace(&client, hint).await;
+        let dir = tempfile::tempdir().unwrap();
+        let spec = StackSpec {
+            nodes: vec![format!("edge-{hint}-{}", std::process::id())],
+            namespace: ns.clone(),
+            devices: count,
+            mqtt_every: 0,
+            status_writes_per_second: 200,
+            dir: dir.path().to_owned(),
+            namespaced_controller: true,
+        };
+        let mut stack = Stack::start(spec, cp.kubeconfig()).await.unwrap();
+        stack.apply_devices(&client).await.unwrap();
+        stack.start_sim(&sim_args(dir.path())).unwrap();
+        let devices: Api<Device> = Api::namespaced(client, &ns);
+        eventually("every device applied its desired state", || {
+            all_applied(&devices, count)
+        })
+        .await;
+        Fleet {
+            stack,
+            devices,
+            dir,
+        }
+    }
+}
+
+/// `Some` once there are `count` Devices and each applied its generation.
+async fn all_applied(devices: &Api<Device>, count: usize) -> Option<()> {
+    let list = devices.list(&Default::default()).await.ok()?;
+    let applied = list.items.iter().all(applied_current_generation);
+    (list.items.len() == count && applied).then_some(())
+}
 const KILLS: u32 = 8;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -30,38 +79,19 @@ async fn an_agent_killed_at_random_moments_loses_no_report_and_no_desired_state(
     eprintln!("crash test seed: {seed} (EDGEFLEET_CRASH_SEED)");
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
 
-    let cp = control_plane();
-    let client = cp.client().await;
-    let ns = test_namespace(&client, "crash").await;
-    let dir = tempfile::tempdir().unwrap();
-    let spec = StackSpec {
-        nodes: vec![format!("edge-crash-{}", std::process::id())],
-        namespace: ns.clone(),
-        devices: DEVICES,
-        mqtt_every: 0,
-        status_writes_per_second: 200,
-        dir: dir.path().to_owned(),
-        namespaced_controller: true,
-    };
-    let mut stack = Stack::start(spec, cp.kubeconfig()).await.unwrap();
-    stack.apply_devices(&client).await.unwrap();
-    let final_state = dir.path().join("final.jsonl");
-    stack
-        .start_sim(&[
+    let Fleet {
+        mut stack,
+        devices,
+        dir,
+    } = Fleet::start("crash", DEVICES, |dir| {
+        vec![
             "--report-interval=300ms".into(),
-            format!("--final-state={}", final_state.display()),
-        ])
-        .unwrap();
-    let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
-    let all_applied = || async {
-        let list = devices.list(&Default::default()).await.ok()?;
-        let applied = list
-            .items
-            .iter()
-            .all(|d| d.status.as_ref().and_then(|s| s.applied_generation) == d.metadata.generation);
-        (list.items.len() == DEVICES && applied).then_some(())
-    };
-    eventually("every device applied its desired state", all_applied).await;
+            format!("--final-state={}", dir.join("final.jsonl").display()),
+        ]
+    })
+    .await;
+    let final_state = dir.path().join("final.jsonl");
+    let all_applied = || all_applied(&devices, DEVICES);
 
     for kill in 1..=KILLS {
         tokio::time::sleep(Duration::from_millis(rng.random_range(100..1500))).await;
@@ -136,39 +166,14 @@ async fn an_agent_killed_at_random_moments_loses_no_report_and_no_desired_state(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_controller_is_replaced_and_resync_is_only_the_difference() {
     const FLEET: usize = 12;
-    let cp = control_plane();
-    let client = cp.client().await;
-    let ns = test_namespace(&client, "crash-cloud").await;
-    let dir = tempfile::tempdir().unwrap();
-    let spec = StackSpec {
-        nodes: vec![format!("edge-crash-cloud-{}", std::process::id())],
-        namespace: ns.clone(),
-        devices: FLEET,
-        mqtt_every: 0,
-        status_writes_per_second: 200,
-        dir: dir.path().to_owned(),
-        namespaced_controller: true,
-    };
-    let mut stack = Stack::start(spec, cp.kubeconfig()).await.unwrap();
-    stack.apply_devices(&client).await.unwrap();
-    stack
-        .start_sim(&["--report-interval=500ms".into()])
-        .unwrap();
-    let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
-    let applied = |count: usize| {
-        let devices = devices.clone();
-        move || {
-            let devices = devices.clone();
-            async move {
-                let list = devices.list(&Default::default()).await.ok()?;
-                let applied = list.items.iter().all(|d| {
-                    d.status.as_ref().and_then(|s| s.applied_generation) == d.metadata.generation
-                });
-                (list.items.len() == count && applied).then_some(())
-            }
-        }
-    };
-    eventually("every device applied its desired state", applied(FLEET)).await;
+    let Fleet {
+        mut stack,
+        devices,
+        dir: _dir,
+    } = Fleet::start("crash-cloud", FLEET, |_| {
+        vec!["--report-interval=500ms".into()]
+    })
+    .await;
 
     // The controller dies; meanwhile two Devices change and one is deleted
     // (its finalizer holds it until a controller lets it go).
@@ -191,7 +196,7 @@ async fn a_killed_controller_is_replaced_and_resync_is_only_the_difference() {
 
     eventually(
         "the changes reach their devices through the new controller",
-        applied(FLEET - 1),
+        || all_applied(&devices, FLEET - 1),
     )
     .await;
     let (_, body) = http_get(stack.cloud_metrics, "/metrics").await.unwrap();

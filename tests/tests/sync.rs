@@ -42,6 +42,36 @@ async fn start_controller(client: &Client, ns: &str) -> Controller {
     .unwrap()
 }
 
+/// One test's world: a controller minding a fresh namespace, and the store
+/// (on disk) of the agent for one node.
+struct Setup {
+    client: Client,
+    ns: String,
+    controller: Controller,
+    store: Store,
+    node: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Setup {
+    /// Namespace `sync-<hint>`, node `edge-<hint>-<pid>`.
+    async fn new(hint: &str) -> Setup {
+        let client = control_plane().client().await;
+        let ns = test_namespace(&client, &format!("sync-{hint}")).await;
+        let controller = start_controller(&client, &ns).await;
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("store")).unwrap().store;
+        Setup {
+            node: node_name(&format!("edge-{hint}")),
+            client,
+            ns,
+            controller,
+            store,
+            _dir: dir,
+        }
+    }
+}
+
 fn start_agent(controller: &Controller, node: &str, store: &Store) -> tokio::task::JoinHandle<()> {
     let settings = SyncSettings {
         cloud: format!("http://{}", controller.sync_addr),
@@ -68,12 +98,14 @@ fn node_name(hint: &str) -> String {
 
 #[tokio::test]
 async fn a_device_reaches_its_agent_and_its_report_reaches_status() {
-    let client = control_plane().client().await;
-    let ns = test_namespace(&client, "sync-pipeline").await;
-    let controller = start_controller(&client, &ns).await;
-    let tmp = tempfile::tempdir().unwrap();
-    let store = Store::open(&tmp.path().join("store")).unwrap().store;
-    let node = node_name("edge-pipeline");
+    let Setup {
+        client,
+        ns,
+        controller,
+        store,
+        node,
+        _dir,
+    } = Setup::new("pipeline").await;
     let _agent = start_agent(&controller, &node, &store);
 
     let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
@@ -154,12 +186,14 @@ async fn a_device_reaches_its_agent_and_its_report_reaches_status() {
 
 #[tokio::test]
 async fn a_reconnecting_agent_is_sent_only_the_difference() {
-    let client = control_plane().client().await;
-    let ns = test_namespace(&client, "sync-resync").await;
-    let controller = start_controller(&client, &ns).await;
-    let tmp = tempfile::tempdir().unwrap();
-    let store = Store::open(&tmp.path().join("store")).unwrap().store;
-    let node = node_name("edge-resync");
+    let Setup {
+        client,
+        ns,
+        controller,
+        store,
+        node,
+        _dir,
+    } = Setup::new("resync").await;
     let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
     for name in ["a", "b", "c", "d"] {
         devices
@@ -238,12 +272,14 @@ async fn a_reconnecting_agent_is_sent_only_the_difference() {
 
 #[tokio::test]
 async fn a_report_for_a_device_of_another_node_is_refused_and_counted() {
-    let client = control_plane().client().await;
-    let ns = test_namespace(&client, "sync-foreign").await;
-    let controller = start_controller(&client, &ns).await;
-    let tmp = tempfile::tempdir().unwrap();
-    let store = Store::open(&tmp.path().join("store")).unwrap().store;
-    let node = node_name("edge-honest");
+    let Setup {
+        client,
+        ns,
+        controller,
+        store,
+        node,
+        _dir,
+    } = Setup::new("foreign").await;
     let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
     devices
         .create(
@@ -310,12 +346,14 @@ async fn event_reasons(client: &Client, ns: &str, name: &str) -> Vec<(String, St
 
 #[tokio::test]
 async fn the_reconciler_accepts_generations_and_holds_a_deletion_until_the_edge_dropped_it() {
-    let client = control_plane().client().await;
-    let ns = test_namespace(&client, "sync-reconcile").await;
-    let controller = start_controller(&client, &ns).await;
-    let tmp = tempfile::tempdir().unwrap();
-    let store = Store::open(&tmp.path().join("store")).unwrap().store;
-    let node = node_name("edge-reconcile");
+    let Setup {
+        client,
+        ns,
+        controller,
+        store,
+        node,
+        _dir,
+    } = Setup::new("reconcile").await;
     let _agent = start_agent(&controller, &node, &store);
     let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
     let key = ResourceKey::device(&ns, "t1");
@@ -443,12 +481,14 @@ async fn the_reconciler_accepts_generations_and_holds_a_deletion_until_the_edge_
 
 #[tokio::test]
 async fn an_absent_agent_makes_its_node_and_devices_unreachable_until_it_returns() {
-    let client = control_plane().client().await;
-    let ns = test_namespace(&client, "sync-absent").await;
-    let controller = start_controller(&client, &ns).await;
-    let tmp = tempfile::tempdir().unwrap();
-    let store = Store::open(&tmp.path().join("store")).unwrap().store;
-    let node = node_name("edge-absent");
+    let Setup {
+        client,
+        ns,
+        controller,
+        store,
+        node,
+        _dir,
+    } = Setup::new("absent").await;
     let agent = start_agent(&controller, &node, &store);
     let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
     let nodes: Api<EdgeNode> = Api::all(client.clone());

@@ -22,6 +22,7 @@ use edgefleet_shared::api::Device;
 use edgefleet_shared::now_unix_ms;
 use edgefleet_tests::control_plane;
 use edgefleet_tests::final_state::{matches_final, read_final_state};
+use edgefleet_tests::fleet_view::applied_current_generation;
 use edgefleet_tests::process::{http_get, metric};
 use edgefleet_tests::stack::{Stack, StackSpec};
 use futures::StreamExt;
@@ -102,11 +103,7 @@ async fn main() -> anyhow::Result<()> {
         "--report-interval=10s".into(),
         format!("--applied-log={}", applied_log.display()),
     ])?;
-    wait_all(&devices, cli.devices, "every Device Applied", |d| {
-        let s = d.status.as_ref();
-        s.and_then(|s| s.applied_generation) == d.metadata.generation
-    })
-    .await?;
+    wait_all(&devices, cli.devices, "every Device Applied").await?;
     out.line(&format!(
         "cold start: {} Devices created and Applied in {:.1} s",
         cli.devices,
@@ -126,10 +123,6 @@ async fn main() -> anyhow::Result<()> {
             &devices,
             cli.devices,
             "status shows the new generation applied",
-            |d| {
-                let s = d.status.as_ref();
-                s.and_then(|s| s.applied_generation) == d.metadata.generation
-            },
         )
         .await?;
         let seen = seen.lock().expect("seen");
@@ -351,17 +344,16 @@ async fn wait_applied_log(
     }
 }
 
-/// Polls until `count` Devices all satisfy `done`.
-async fn wait_all(
-    devices: &Api<Device>,
-    count: usize,
-    what: &str,
-    done: impl Fn(&Device) -> bool,
-) -> anyhow::Result<()> {
+/// Polls until `count` Devices all applied their current generation.
+async fn wait_all(devices: &Api<Device>, count: usize, what: &str) -> anyhow::Result<()> {
     let deadline = Instant::now() + PATIENCE;
     loop {
         let list = devices.list(&Default::default()).await?;
-        let ready = list.items.iter().filter(|d| done(d)).count();
+        let ready = list
+            .items
+            .iter()
+            .filter(|d| applied_current_generation(d))
+            .count();
         if list.items.len() == count && ready == count {
             return Ok(());
         }
