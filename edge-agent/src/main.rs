@@ -47,6 +47,12 @@ struct Cli {
     /// Where the embedded broker listens (unused with --mqtt-url).
     #[arg(long, env = "EDGEFLEET_MQTT_LISTEN", default_value = "127.0.0.1:1883")]
     mqtt_listen: SocketAddr,
+    /// At most this many device events wait in the outbox for the cloud.
+    /// At the bound the oldest event is dropped for the new one; drops are
+    /// counted (`edgefleet_agent_events_dropped_total`) and reported to the
+    /// cloud as soon as it is reachable.
+    #[arg(long, env = "EDGEFLEET_OUTBOX_MAX_EVENTS", default_value_t = edgefleet_agent::store::DEFAULT_MAX_EVENTS)]
+    outbox_max_events: u64,
     /// Address of /metrics and /healthz.
     #[arg(long, env = "EDGEFLEET_METRICS_ADDR", default_value = "127.0.0.1:9464")]
     metrics_addr: SocketAddr,
@@ -70,7 +76,7 @@ async fn main() -> anyhow::Result<()> {
         store_rebuilt.inc();
         tracing::error!(moved_to = %aside.display(), %reason, "the store could not be opened; it was moved aside and a new one is rebuilt from the cloud");
     }
-    let store = opened.store;
+    let store = opened.store.with_max_events(cli.outbox_max_events);
 
     let coap_metrics = Arc::new(CoapMetrics::default());
     coap_metrics.register(&mut registry);
@@ -82,11 +88,27 @@ async fn main() -> anyhow::Result<()> {
     );
     let devices = Gauge::<i64>::default();
     registry.register("devices", "Devices the agent holds", devices.clone());
+    let events_queued = Gauge::<i64>::default();
+    registry.register(
+        "outbox_events",
+        "Device events waiting in the outbox (bounded by --outbox-max-events)",
+        events_queued.clone(),
+    );
+    // A gauge over the store's lifetime total, which survives restarts.
+    let events_dropped = Gauge::<i64>::default();
+    registry.register(
+        "events_dropped_total",
+        "Device events dropped at the outbox bound over the store's life",
+        events_dropped.clone(),
+    );
 
     let mqtt_metrics = Arc::new(MqttMetrics::default());
     mqtt_metrics
         .reports
         .register(&mut registry, "mqtt_reports", "MQTT reports by outcome");
+    mqtt_metrics
+        .events
+        .register(&mut registry, "mqtt_events", "MQTT events by outcome");
     registry.register(
         "mqtt_desired_published",
         "Desired states published retained",
@@ -123,6 +145,8 @@ async fn main() -> anyhow::Result<()> {
                 tick.tick().await;
                 outbox_depth.set(store.outbox_depth() as i64);
                 devices.set(store.held().map(|h| h.len() as i64).unwrap_or(-1));
+                events_queued.set(store.events_queued() as i64);
+                events_dropped.set(store.events_dropped_total().map(|n| n as i64).unwrap_or(-1));
             }
         }
     };

@@ -5,21 +5,24 @@
 //! external broker (Mosquitto, EMQX) is used when its address is given.
 //!
 //! A report is acknowledged (PUBACK) only after it is durable in the store,
-//! so a device whose report was lost with the agent sends it again.
+//! so a device whose report was lost with the agent sends it again. An event
+//! is acknowledged the same way and, once durable, confirmed to the device on
+//! its `event-ack` topic: the device resends it until that confirmation
+//! arrives, and the agent stores each event id once.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use edgefleet_shared::codec::{self, CodecError, DeviceReport};
+use edgefleet_shared::codec::{self, CodecError, DeviceEvent, DeviceReport, EventAck};
 use edgefleet_shared::telemetry::Outcomes;
 use edgefleet_shared::{ResourceKey, topics};
 use prometheus_client::metrics::counter::Counter;
 use rumqttc::{AsyncClient, Event, EventLoop, MqttOptions, Packet, Publish, QoS};
 use tokio::sync::{Notify, broadcast, mpsc};
 
-use crate::store::{Store, StoreError};
+use crate::store::{EventOutcome, Store, StoreError};
 
 /// The largest payload the embedded broker forwards. Reports over the device
 /// wire format's limit still get through, so the agent can refuse and count
@@ -96,6 +99,9 @@ pub fn start_embedded_broker(listen: SocketAddr) -> std::io::Result<()> {
 pub struct MqttMetrics {
     /// Reports received, by outcome (`stored` or the refusal reason).
     pub reports: Outcomes,
+    /// Events received, by outcome (`stored`, `stored_dropped_oldest`,
+    /// `duplicate` or the refusal reason).
+    pub events: Outcomes,
     /// Desired states published (retained).
     pub desired_published: Counter,
     /// Retained desired states cleared for deleted devices.
@@ -152,10 +158,10 @@ async fn drive(
             Ok(Event::Incoming(Packet::ConnAck(_))) => {
                 tracing::info!(%node, "connected to the site broker");
                 // Subscribing from here would wait on this very loop: use try_.
-                if let Err(error) =
-                    client.try_subscribe(topics::reports_of(&node), QoS::AtLeastOnce)
-                {
-                    tracing::warn!(%error, "could not subscribe to reports");
+                for filter in [topics::reports_of(&node), topics::events_of(&node)] {
+                    if let Err(error) = client.try_subscribe(&filter, QoS::AtLeastOnce) {
+                        tracing::warn!(%error, %filter, "could not subscribe");
+                    }
                 }
                 connected.notify_one();
             }
@@ -173,8 +179,8 @@ async fn drive(
     }
 }
 
-/// Stores reports one at a time, in arrival order, and acknowledges each
-/// once it is durable.
+/// Stores reports and events one at a time, in arrival order, and
+/// acknowledges each once it is durable.
 async fn store_reports(
     client: AsyncClient,
     node: String,
@@ -183,6 +189,29 @@ async fn store_reports(
     metrics: Arc<MqttMetrics>,
 ) {
     while let Some(publish) = reports.recv().await {
+        if let Some((key, topics::Uplink::Event)) = topics::parse_uplink(&node, &publish.topic) {
+            let outcome = match store_event(&store, &key, &publish).await {
+                Ok((outcome, highest)) => {
+                    let ack = codec::encode(&EventAck { id: highest }).expect("an ack encodes");
+                    let topic = topics::event_ack(&node, &key);
+                    if let Err(error) = client.publish(topic, QoS::AtLeastOnce, false, ack).await {
+                        tracing::warn!(device = %key, %error, "could not confirm an event");
+                    }
+                    outcome
+                }
+                Err(Refusal::Store(error)) => {
+                    tracing::error!(device = %key, %error, "could not store an event");
+                    metrics.events.inc("store_error");
+                    continue;
+                }
+                Err(refusal) => refusal.label(),
+            };
+            metrics.events.inc(outcome);
+            if let Err(error) = client.ack(&publish).await {
+                tracing::warn!(%error, "could not acknowledge an event");
+            }
+            continue;
+        }
         let outcome = match store_report(&node, &store, &publish).await {
             Ok(()) => "stored",
             Err(Refusal::Codec(error)) => {
@@ -214,6 +243,43 @@ enum Refusal {
     UnknownDevice(ResourceKey),
     Codec(CodecError),
     Store(StoreError),
+}
+
+impl Refusal {
+    fn label(&self) -> &'static str {
+        match self {
+            Refusal::NotAReport => "not_a_report_topic",
+            Refusal::UnknownDevice(_) => "unknown_device",
+            Refusal::Codec(error) => error.metric_label(),
+            Refusal::Store(_) => "store_error",
+        }
+    }
+}
+
+/// Stores one event; returns the outcome label and the highest event id
+/// the device has stored.
+async fn store_event(
+    store: &Store,
+    key: &ResourceKey,
+    publish: &Publish,
+) -> Result<(&'static str, u64), Refusal> {
+    let event: DeviceEvent = codec::decode(&publish.payload).map_err(Refusal::Codec)?;
+    if store.desired(key).map_err(Refusal::Store)?.is_none() {
+        return Err(Refusal::UnknownDevice(key.clone()));
+    }
+    let id = event.id;
+    match store
+        .record_event(key, event, edgefleet_shared::now_unix_ms())
+        .await
+        .map_err(Refusal::Store)?
+    {
+        EventOutcome::Stored {
+            dropped_oldest: false,
+            ..
+        } => Ok(("stored", id)),
+        EventOutcome::Stored { .. } => Ok(("stored_dropped_oldest", id)),
+        EventOutcome::Duplicate { highest } => Ok(("duplicate", highest)),
+    }
 }
 
 async fn store_report(node: &str, store: &Store, publish: &Publish) -> Result<(), Refusal> {

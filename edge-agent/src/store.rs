@@ -1,5 +1,11 @@
 //! The agent's durable state, in sled: what the cloud wants (desired), what
-//! devices last said (reported), what must still go up (outbox), and meta.
+//! devices last said (reported), what must still go up (outbox), the highest
+//! event id each device sent (event_ids), and meta.
+//!
+//! The outbox is bounded: reports are compacted to the latest per device,
+//! and events are kept in order up to a bound; at the bound the oldest event
+//! makes room for the new one, and the drop is counted and sent up as an
+//! [`PendingUplink::EventsDropped`] entry when the link is there.
 //!
 //! Durable points are explicit: every write that is answered to somebody (an
 //! Ack to the cloud, a success code to a device) is flushed first. A store
@@ -11,7 +17,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use edgefleet_shared::api::Transport;
-use edgefleet_shared::codec::{DesiredState, DeviceReport, FirmwareOrder};
+use edgefleet_shared::codec::{DesiredState, DeviceEvent, DeviceReport, FirmwareOrder};
 use edgefleet_shared::{PropertyValue, ResourceKey, ResourceVersion};
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 use sled::Transactional;
@@ -24,6 +30,12 @@ const SCHEMA_VERSION: u32 = 1;
 
 const META_SCHEMA: &[u8] = b"schema_version";
 const META_NEXT_SEQ: &[u8] = b"next_seq";
+const META_STORE_ID: &[u8] = b"store_id";
+const META_DROPPED_TOTAL: &[u8] = b"events_dropped_total";
+const META_DROPPED_UNREPORTED: &[u8] = b"events_dropped_unreported";
+
+/// The default bound of events in the outbox (`--outbox-max-events`).
+pub const DEFAULT_MAX_EVENTS: u64 = 50_000;
 
 /// What the agent keeps of one Device's desired state.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -76,10 +88,37 @@ pub struct LatestReport {
 }
 
 /// One outbox entry, as stored: reports are compacted per device, so the
-/// entry only names the device and the report itself sits in `reported`.
+/// entry only names the device and the report itself sits in `reported`;
+/// events and drop notices are stored whole.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 enum OutboxEntry {
     Report { device: String },
+    Event(StoredEvent),
+    EventsDropped(Dropped),
+}
+
+/// An event as the outbox keeps it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StoredEvent {
+    /// The device's key.
+    pub device: String,
+    /// When the agent received it (Unix milliseconds).
+    pub at_ms: i64,
+    /// What the device said.
+    pub event: DeviceEvent,
+}
+
+/// Events dropped at the bound, not yet reported to the cloud.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Dropped {
+    /// How many.
+    pub count: u64,
+    /// When the first was dropped (Unix milliseconds).
+    pub first_at_ms: i64,
+    /// When the last was dropped (Unix milliseconds).
+    pub last_at_ms: i64,
+    /// The bound in force then.
+    pub bound: u64,
 }
 
 /// An entry waiting to go up, with what it carries.
@@ -91,6 +130,33 @@ pub enum PendingUplink {
         device: ResourceKey,
         /// Its latest report.
         latest: LatestReport,
+    },
+    /// An event of a device.
+    Event {
+        /// Which device.
+        device: ResourceKey,
+        /// The event.
+        stored: StoredEvent,
+    },
+    /// Events dropped at the bound.
+    EventsDropped(Dropped),
+}
+
+/// What became of an event a device sent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventOutcome {
+    /// Stored durably under this outbox sequence number.
+    Stored {
+        /// Its sequence number.
+        seq: u64,
+        /// The outbox held its bound of events: the oldest was dropped.
+        dropped_oldest: bool,
+    },
+    /// The device sent this id (or a later one) before: nothing was stored,
+    /// and what was stored before is durable.
+    Duplicate {
+        /// The highest id stored for the device.
+        highest: u64,
     },
 }
 
@@ -124,6 +190,12 @@ pub const CACHE_BYTES: u64 = 64 * 1024 * 1024;
 /// The agent's store.
 #[derive(Clone, Debug)]
 pub struct Store {
+    // Events in the outbox, and the bound. Recording an event and
+    // acknowledging the outbox take this lock for their sled writes, so the
+    // count and the bound check agree with what is stored.
+    events: Arc<std::sync::Mutex<u64>>,
+    max_events: u64,
+    store_id: String,
     // Woken whenever an entry joins the outbox, so the uplink needs no polling.
     outbox_changed: Arc<Notify>,
     // Every durable change of desired state, for the device-side publishers.
@@ -133,6 +205,7 @@ pub struct Store {
     desired: sled::Tree,
     reported: sled::Tree,
     outbox: sled::Tree,
+    event_ids: sled::Tree,
     meta: sled::Tree,
 }
 
@@ -186,13 +259,17 @@ impl Store {
             .open()
             .map_err(|e| e.to_string())?;
         let tree = |name: &str| db.open_tree(name).map_err(|e| e.to_string());
-        let store = Store {
+        let mut store = Store {
+            events: Arc::default(),
+            max_events: DEFAULT_MAX_EVENTS,
+            store_id: String::new(),
             outbox_changed: Arc::new(Notify::new()),
             desired_changes: broadcast::Sender::new(DESIRED_CHANGES_BUFFER),
             flusher: GroupFlush::start(db.clone()),
             desired: tree("desired")?,
             reported: tree("reported")?,
             outbox: tree("outbox")?,
+            event_ids: tree("event_ids")?,
             meta: tree("meta")?,
             db,
         };
@@ -202,12 +279,37 @@ impl Store {
                     .meta
                     .insert(META_SCHEMA, &SCHEMA_VERSION.to_be_bytes())
                     .map_err(|e| e.to_string())?;
+                store
+                    .meta
+                    .insert(META_STORE_ID, new_store_id().as_bytes())
+                    .map_err(|e| e.to_string())?;
                 store.db.flush().map_err(|e| e.to_string())?;
             }
             Some(v) if v.as_ref() == SCHEMA_VERSION.to_be_bytes() => {}
             Some(v) => return Err(format!("schema version {v:?}, expected {SCHEMA_VERSION}")),
             None => return Err("no schema version".into()),
         }
+        store.store_id = match store.meta.get(META_STORE_ID).map_err(|e| e.to_string())? {
+            Some(id) => String::from_utf8_lossy(&id).into_owned(),
+            // Stores from before ids existed get one now.
+            None => {
+                let id = new_store_id();
+                store
+                    .meta
+                    .insert(META_STORE_ID, id.as_bytes())
+                    .map_err(|e| e.to_string())?;
+                store.db.flush().map_err(|e| e.to_string())?;
+                id
+            }
+        };
+        let mut events = 0;
+        for item in store.outbox.iter() {
+            let (k, v) = item.map_err(|e| e.to_string())?;
+            if let OutboxEntry::Event(_) = decode(&k, &v).map_err(|e| e.to_string())? {
+                events += 1;
+            }
+        }
+        *store.events.lock().expect("event count") = events;
         Ok(store)
     }
 
@@ -215,7 +317,26 @@ impl Store {
         self.desired.is_empty()
             && self.reported.is_empty()
             && self.outbox.is_empty()
+            && self.event_ids.is_empty()
             && self.meta.is_empty()
+    }
+
+    /// The same store with at most `max_events` events in the outbox (at
+    /// least 1).
+    pub fn with_max_events(mut self, max_events: u64) -> Self {
+        self.max_events = max_events.max(1);
+        self
+    }
+
+    /// The bound of events in the outbox.
+    pub fn max_events(&self) -> u64 {
+        self.max_events
+    }
+
+    /// Names this store for good: a rebuilt store has another id, and
+    /// sequence numbers count within one store.
+    pub fn store_id(&self) -> &str {
+        &self.store_id
     }
 
     /// Every resource the agent holds, with its version: the Hello's content.
@@ -306,13 +427,139 @@ impl Store {
                 outbox.insert(&seq.to_be_bytes(), entry.clone())?;
                 Ok(seq)
             });
-        let seq = result.map_err(|e| match e {
-            TransactionError::Abort(e) => e,
-            TransactionError::Storage(e) => StoreError::Sled(e),
-        })?;
+        let seq = result.map_err(from_transaction)?;
         self.flusher.flush().await?;
         self.outbox_changed.notify_one();
         Ok(seq)
+    }
+
+    /// Records a device's event durably and queues it for the cloud, unless
+    /// the device sent this id before. At the bound the oldest event in the
+    /// outbox is dropped to make room, and the drop is counted.
+    pub async fn record_event(
+        &self,
+        device: &ResourceKey,
+        event: DeviceEvent,
+        received_at_ms: i64,
+    ) -> Result<EventOutcome, StoreError> {
+        let key = device.to_string();
+        let outcome = {
+            let mut queued = self.events.lock().expect("event count");
+            let highest = self
+                .event_ids
+                .get(key.as_bytes())?
+                .map(|v| u64_from(&v))
+                .unwrap_or(0);
+            if event.id <= highest {
+                EventOutcome::Duplicate { highest }
+            } else {
+                let victim = if *queued >= self.max_events {
+                    self.oldest_event()?
+                } else {
+                    None
+                };
+                let entry = encode(&OutboxEntry::Event(StoredEvent {
+                    device: key.clone(),
+                    at_ms: received_at_ms,
+                    event: event.clone(),
+                }));
+                let bound = self.max_events;
+                let result = (&self.outbox, &self.event_ids, &self.meta).transaction(
+                    |(outbox, event_ids, meta)| {
+                        let seq = meta.get(META_NEXT_SEQ)?.map(|v| u64_from(&v)).unwrap_or(1);
+                        meta.insert(META_NEXT_SEQ, &(seq + 1).to_be_bytes())?;
+                        outbox.insert(&seq.to_be_bytes(), entry.clone())?;
+                        event_ids.insert(key.as_bytes(), &event.id.to_be_bytes())?;
+                        if let Some(victim) = victim {
+                            outbox.remove(&victim.to_be_bytes())?;
+                            let total = meta
+                                .get(META_DROPPED_TOTAL)?
+                                .map(|v| u64_from(&v))
+                                .unwrap_or(0);
+                            meta.insert(META_DROPPED_TOTAL, &(total + 1).to_be_bytes())?;
+                            let mut dropped: Dropped = match meta.get(META_DROPPED_UNREPORTED)? {
+                                Some(v) => decode(META_DROPPED_UNREPORTED, &v)
+                                    .map_err(ConflictableTransactionError::Abort)?,
+                                None => Dropped {
+                                    first_at_ms: received_at_ms,
+                                    ..Dropped::default()
+                                },
+                            };
+                            dropped.count += 1;
+                            dropped.last_at_ms = received_at_ms;
+                            dropped.bound = bound;
+                            meta.insert(META_DROPPED_UNREPORTED, encode(&dropped))?;
+                        }
+                        Ok(seq)
+                    },
+                );
+                let seq = result.map_err(from_transaction)?;
+                if victim.is_none() {
+                    *queued += 1;
+                }
+                EventOutcome::Stored {
+                    seq,
+                    dropped_oldest: victim.is_some(),
+                }
+            }
+        };
+        // A duplicate is answered as stored: make sure the first copy is.
+        self.flusher.flush().await?;
+        if matches!(outcome, EventOutcome::Stored { .. }) {
+            self.outbox_changed.notify_one();
+        }
+        Ok(outcome)
+    }
+
+    /// The sequence number of the oldest event in the outbox.
+    fn oldest_event(&self) -> Result<Option<u64>, StoreError> {
+        for item in self.outbox.iter() {
+            let (k, v) = item?;
+            if let OutboxEntry::Event(_) = decode(&k, &v)? {
+                return Ok(Some(u64_from(&k)));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Turns the drops not yet reported into an outbox entry, so they go up
+    /// in order with everything else. Returns its sequence number, if there
+    /// were drops.
+    pub async fn seal_dropped(&self) -> Result<Option<u64>, StoreError> {
+        if !self.meta.contains_key(META_DROPPED_UNREPORTED)? {
+            return Ok(None);
+        }
+        let result = (&self.outbox, &self.meta).transaction(|(outbox, meta)| {
+            let Some(dropped) = meta.remove(META_DROPPED_UNREPORTED)? else {
+                return Ok(None);
+            };
+            let dropped: Dropped = decode(META_DROPPED_UNREPORTED, &dropped)
+                .map_err(ConflictableTransactionError::Abort)?;
+            let seq = meta.get(META_NEXT_SEQ)?.map(|v| u64_from(&v)).unwrap_or(1);
+            meta.insert(META_NEXT_SEQ, &(seq + 1).to_be_bytes())?;
+            outbox.insert(
+                &seq.to_be_bytes(),
+                encode(&OutboxEntry::EventsDropped(dropped)),
+            )?;
+            Ok(Some(seq))
+        });
+        let sealed = result.map_err(from_transaction)?;
+        self.flusher.flush().await?;
+        Ok(sealed)
+    }
+
+    /// Events dropped at the bound over the store's life.
+    pub fn events_dropped_total(&self) -> Result<u64, StoreError> {
+        Ok(self
+            .meta
+            .get(META_DROPPED_TOTAL)?
+            .map(|v| u64_from(&v))
+            .unwrap_or(0))
+    }
+
+    /// Events waiting in the outbox.
+    pub fn events_queued(&self) -> u64 {
+        *self.events.lock().expect("event count")
     }
 
     /// Resolves once an entry has joined the outbox since the last call.
@@ -339,21 +586,27 @@ impl Store {
         for item in self.outbox.range((after + 1).to_be_bytes()..).take(max) {
             let (k, v) = item?;
             let seq = u64_from(&k);
-            let OutboxEntry::Report { device } = decode(&k, &v)?;
-            let key = parse_key(device.as_bytes())?;
-            let latest = self
-                .latest_report(&key)?
-                .ok_or_else(|| StoreError::Corrupt {
-                    key: device.clone(),
-                    reason: format!("outbox entry {seq} names a device with no report"),
-                })?;
-            out.push((
-                seq,
-                PendingUplink::Report {
-                    device: key,
-                    latest,
+            let pending = match decode(&k, &v)? {
+                OutboxEntry::Report { device } => {
+                    let key = parse_key(device.as_bytes())?;
+                    let latest = self
+                        .latest_report(&key)?
+                        .ok_or_else(|| StoreError::Corrupt {
+                            key: device.clone(),
+                            reason: format!("outbox entry {seq} names a device with no report"),
+                        })?;
+                    PendingUplink::Report {
+                        device: key,
+                        latest,
+                    }
+                }
+                OutboxEntry::Event(stored) => PendingUplink::Event {
+                    device: parse_key(stored.device.as_bytes())?,
+                    stored,
                 },
-            ));
+                OutboxEntry::EventsDropped(dropped) => PendingUplink::EventsDropped(dropped),
+            };
+            out.push((seq, pending));
         }
         Ok(out)
     }
@@ -361,14 +614,22 @@ impl Store {
     /// The cloud has made everything up to `seq` durable: drop it from the
     /// outbox. Returns how many entries were removed.
     pub async fn acknowledge_uplink(&self, seq: u64) -> Result<usize, StoreError> {
-        let mut batch = sled::Batch::default();
-        let mut removed = 0;
-        for item in self.outbox.range(..=seq.to_be_bytes()) {
-            let (k, _) = item?;
-            batch.remove(k);
-            removed += 1;
-        }
-        self.outbox.apply_batch(batch)?;
+        let removed = {
+            let mut queued = self.events.lock().expect("event count");
+            let mut batch = sled::Batch::default();
+            let (mut removed, mut events) = (0, 0);
+            for item in self.outbox.range(..=seq.to_be_bytes()) {
+                let (k, v) = item?;
+                if let OutboxEntry::Event(_) = decode(&k, &v)? {
+                    events += 1;
+                }
+                batch.remove(k);
+                removed += 1;
+            }
+            self.outbox.apply_batch(batch)?;
+            *queued = queued.saturating_sub(events);
+            removed
+        };
         self.flusher.flush().await?;
         Ok(removed)
     }
@@ -432,6 +693,18 @@ impl GroupFlush {
             .map_err(|_| gone())?;
         rx.await.map_err(|_| gone())?
     }
+}
+
+fn from_transaction(e: TransactionError<StoreError>) -> StoreError {
+    match e {
+        TransactionError::Abort(e) => e,
+        TransactionError::Storage(e) => StoreError::Sled(e),
+    }
+}
+
+/// 128 random bits, hex: a store's id.
+fn new_store_id() -> String {
+    format!("{:032x}", rand::random::<u128>())
 }
 
 fn encode<T: Serialize>(value: &T) -> Vec<u8> {

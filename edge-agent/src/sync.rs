@@ -104,6 +104,7 @@ pub async fn session(settings: &SyncSettings, store: &Store) -> Result<(), SyncE
         agent_version: settings.agent_version.clone(),
         boot_id: settings.boot_id.clone(),
         held,
+        store_id: store.store_id().to_owned(),
     };
     send(&tx, agent_message::Kind::Hello(hello)).await?;
     let mut inbound = client.stream(ReceiverStream::new(rx)).await?.into_inner();
@@ -131,7 +132,7 @@ pub async fn session(settings: &SyncSettings, store: &Store) -> Result<(), SyncE
                 let beat = proto::Heartbeat {
                     sent_at_ms: edgefleet_shared::now_unix_ms(),
                     outbox_depth: store.outbox_depth() as u64,
-                    events_dropped: 0,
+                    events_dropped: store.events_dropped_total()?,
                     device_count: store.held()?.len() as u32,
                 };
                 send(&tx, agent_message::Kind::Heartbeat(beat)).await?;
@@ -225,12 +226,19 @@ fn desired_device(resource: &proto::Resource) -> Result<(ResourceKey, DesiredDev
     ))
 }
 
-/// Sends outbox entries after `sent_up_to`, in batches.
+/// Sends outbox entries after `sent_up_to`, in batches; events dropped at
+/// the bound since the last call go up as an entry of their own.
 async fn send_outbox(
     store: &Store,
     tx: &mpsc::Sender<proto::AgentMessage>,
     sent_up_to: &mut u64,
 ) -> Result<(), SyncError> {
+    if let Some(seq) = store.seal_dropped().await? {
+        tracing::warn!(
+            seq,
+            "events were dropped at the outbox bound; telling the cloud"
+        );
+    }
     loop {
         let batch = store.pending_uplink(*sent_up_to, UPLINK_BATCH)?;
         let Some((last, _)) = batch.last() else {
@@ -239,27 +247,51 @@ async fn send_outbox(
         *sent_up_to = *last;
         let entries = batch
             .into_iter()
-            .map(|(seq, pending)| {
-                let PendingUplink::Report { device, latest } = pending;
-                let report = proto::Report {
-                    device_key: device.to_string(),
-                    applied_generation: latest.report.applied_generation,
-                    properties: latest
-                        .report
-                        .properties
-                        .iter()
-                        .map(|(k, v)| (k.clone(), v.into()))
-                        .collect(),
-                    firmware_version: latest.report.firmware_version.unwrap_or_default(),
-                    received_at_ms: latest.received_at_ms,
-                };
-                proto::UplinkEntry {
-                    seq,
-                    body: Some(uplink_entry::Body::Report(report)),
-                }
+            .map(|(seq, pending)| proto::UplinkEntry {
+                seq,
+                body: Some(uplink_body(pending)),
             })
             .collect();
         send(tx, agent_message::Kind::Uplink(proto::Uplink { entries })).await?;
+    }
+}
+
+/// An outbox entry as the sync protocol carries it.
+fn uplink_body(pending: PendingUplink) -> uplink_entry::Body {
+    match pending {
+        PendingUplink::Report { device, latest } => uplink_entry::Body::Report(proto::Report {
+            device_key: device.to_string(),
+            applied_generation: latest.report.applied_generation,
+            properties: latest
+                .report
+                .properties
+                .iter()
+                .map(|(k, v)| (k.clone(), v.into()))
+                .collect(),
+            firmware_version: latest.report.firmware_version.unwrap_or_default(),
+            received_at_ms: latest.received_at_ms,
+        }),
+        PendingUplink::Event { device, stored } => uplink_entry::Body::Event(proto::Event {
+            device_key: device.to_string(),
+            r#type: if stored.event.warning {
+                proto::EventType::Warning
+            } else {
+                proto::EventType::Normal
+            }
+            .into(),
+            reason: stored.event.reason,
+            message: stored.event.message,
+            at_ms: stored.at_ms,
+            device_event_id: stored.event.id,
+        }),
+        PendingUplink::EventsDropped(dropped) => {
+            uplink_entry::Body::EventsDropped(proto::EventsDropped {
+                count: dropped.count,
+                first_at_ms: dropped.first_at_ms,
+                last_at_ms: dropped.last_at_ms,
+                bound: dropped.bound,
+            })
+        }
     }
 }
 

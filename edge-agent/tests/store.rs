@@ -4,9 +4,9 @@
 
 use std::collections::BTreeMap;
 
-use edgefleet_agent::store::{DesiredDevice, PendingUplink, Store};
+use edgefleet_agent::store::{DesiredDevice, Dropped, EventOutcome, PendingUplink, Store};
 use edgefleet_shared::api::Transport;
-use edgefleet_shared::codec::DeviceReport;
+use edgefleet_shared::codec::{DeviceEvent, DeviceReport};
 use edgefleet_shared::{PropertyValue, ResourceKey, ResourceVersion};
 
 fn thermostat(uid: &str, generation: i64, setpoint: f64) -> DesiredDevice {
@@ -87,7 +87,9 @@ async fn reports_compact_to_the_latest_per_device() {
     assert_eq!(store.outbox_depth(), 2);
     let seqs: Vec<u64> = pending.iter().map(|(s, _)| *s).collect();
     assert_eq!(seqs, vec![s2, s3], "a's first report was compacted away");
-    let PendingUplink::Report { device, latest } = &pending[1].1;
+    let PendingUplink::Report { device, latest } = &pending[1].1 else {
+        panic!("a report, not {:?}", pending[1].1);
+    };
     assert_eq!(device, &a);
     assert_eq!(latest.report, report(2, 20.5));
     assert_eq!(latest.received_at_ms, 3);
@@ -197,4 +199,146 @@ async fn concurrent_reports_all_become_durable() {
         latest.report.properties["temperature"],
         PropertyValue::Float(299.0)
     );
+}
+
+fn event(id: u64, reason: &str) -> DeviceEvent {
+    DeviceEvent {
+        id,
+        warning: false,
+        reason: reason.into(),
+        message: format!("event {id}"),
+    }
+}
+
+/// The events of the outbox, as (device, id) in outbox order.
+fn pending_events(store: &Store) -> Vec<(String, u64)> {
+    store
+        .pending_uplink(0, usize::MAX)
+        .unwrap()
+        .into_iter()
+        .filter_map(|(_, pending)| match pending {
+            PendingUplink::Event { device, stored } => Some((device.name, stored.event.id)),
+            _ => None,
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn events_stay_in_order_once_each_and_survive_a_reopen() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("store");
+    let a = ResourceKey::device("plant", "a");
+    let b = ResourceKey::device("plant", "b");
+    let id;
+    {
+        let store = open(&dir);
+        id = store.store_id().to_owned();
+        for (key, n) in [(&a, 1), (&b, 1), (&a, 2), (&a, 3), (&b, 2)] {
+            let outcome = store.record_event(key, event(n, "Tick"), 1).await.unwrap();
+            assert!(
+                matches!(
+                    outcome,
+                    EventOutcome::Stored {
+                        dropped_oldest: false,
+                        ..
+                    }
+                ),
+                "{outcome:?}"
+            );
+        }
+        // A resend of an event already stored, and an older one.
+        for n in [3, 1] {
+            assert_eq!(
+                store.record_event(&a, event(n, "Tick"), 2).await.unwrap(),
+                EventOutcome::Duplicate { highest: 3 }
+            );
+        }
+        // Reports in between do not disturb events.
+        store.record_report(&a, report(1, 20.0), 3).await.unwrap();
+        assert_eq!(store.events_queued(), 5);
+    }
+    let store = open(&dir);
+    assert_eq!(store.store_id(), id, "the store keeps its id");
+    assert_eq!(store.events_queued(), 5, "counted again at open");
+    assert_eq!(
+        pending_events(&store),
+        [("a", 1), ("b", 1), ("a", 2), ("a", 3), ("b", 2)]
+            .map(|(d, n)| (d.to_owned(), n))
+            .to_vec()
+    );
+    assert_eq!(
+        store.record_event(&b, event(2, "Tick"), 4).await.unwrap(),
+        EventOutcome::Duplicate { highest: 2 },
+        "event ids are remembered across a reopen"
+    );
+    // Acknowledging the first three entries leaves the rest, in order.
+    let third = store.pending_uplink(0, 3).unwrap()[2].0;
+    store.acknowledge_uplink(third).await.unwrap();
+    assert_eq!(store.events_queued(), 2);
+    assert_eq!(
+        pending_events(&store),
+        vec![("a".to_owned(), 3), ("b".to_owned(), 2)]
+    );
+}
+
+#[tokio::test]
+async fn at_the_bound_the_oldest_event_is_dropped_counted_and_reported_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = open(&tmp.path().join("store")).with_max_events(3);
+    let a = ResourceKey::device("plant", "a");
+    for n in 1..=3 {
+        store.record_event(&a, event(n, "Tick"), 10).await.unwrap();
+    }
+    assert_eq!(
+        store.seal_dropped().await.unwrap(),
+        None,
+        "nothing dropped yet"
+    );
+    for (n, at) in [(4, 20), (5, 30)] {
+        let outcome = store.record_event(&a, event(n, "Tick"), at).await.unwrap();
+        assert!(
+            matches!(
+                outcome,
+                EventOutcome::Stored {
+                    dropped_oldest: true,
+                    ..
+                }
+            ),
+            "{outcome:?}"
+        );
+    }
+    assert_eq!(store.events_queued(), 3);
+    assert_eq!(store.events_dropped_total().unwrap(), 2);
+    assert_eq!(
+        pending_events(&store),
+        vec![
+            ("a".to_owned(), 3),
+            ("a".to_owned(), 4),
+            ("a".to_owned(), 5)
+        ],
+        "the oldest went first"
+    );
+    // The drops become one entry after everything stored so far.
+    let sealed = store
+        .seal_dropped()
+        .await
+        .unwrap()
+        .expect("drops to report");
+    assert_eq!(store.seal_dropped().await.unwrap(), None, "sealed once");
+    let (last_seq, last) = store.pending_uplink(0, usize::MAX).unwrap().pop().unwrap();
+    assert_eq!(last_seq, sealed);
+    assert_eq!(
+        last,
+        PendingUplink::EventsDropped(Dropped {
+            count: 2,
+            first_at_ms: 20,
+            last_at_ms: 30,
+            bound: 3,
+        })
+    );
+    // Once acknowledged the notice is gone; the lifetime total stays.
+    store.acknowledge_uplink(sealed).await.unwrap();
+    assert_eq!(store.outbox_depth(), 0);
+    assert_eq!(store.events_queued(), 0);
+    assert_eq!(store.events_dropped_total().unwrap(), 2);
 }

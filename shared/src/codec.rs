@@ -64,6 +64,42 @@ pub struct FirmwareOrder {
     pub sha256: Option<String>,
 }
 
+/// The longest event reason, in bytes (a Kubernetes Event's reason is short).
+pub const MAX_EVENT_REASON: usize = 64;
+
+/// The longest event message, in bytes.
+pub const MAX_EVENT_MESSAGE: usize = 512;
+
+/// Device → agent: something that happened on the device (an update result,
+/// a fault). Unlike reports, events are never compacted: each one reaches the
+/// cloud once, in order.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DeviceEvent {
+    /// Assigned by the device, strictly increasing per device and starting
+    /// at 1. The agent keeps the highest it stored, so a resend of an event
+    /// it already holds is acknowledged and not stored twice.
+    #[serde(rename = "id")]
+    pub id: u64,
+    /// A warning rather than a normal event.
+    #[serde(rename = "w", default)]
+    pub warning: bool,
+    /// A machine-readable reason in CamelCase, like `FirmwareInstalled`.
+    #[serde(rename = "r")]
+    pub reason: String,
+    /// A sentence for people.
+    #[serde(rename = "m", default)]
+    pub message: String,
+}
+
+/// Agent → device (MQTT): every event of the device up to `id` is stored.
+/// Over CoAP the response to the POST says the same.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EventAck {
+    /// The highest event id the agent holds for the device.
+    #[serde(rename = "id")]
+    pub id: u64,
+}
+
 /// Agent → device: a one-off order (reboot, identify, …).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Command {
@@ -152,6 +188,36 @@ impl WireMessage for Command {
             return Err(CodecError::Invalid("command name is empty".into()));
         }
         validate_properties(&self.args)
+    }
+}
+
+impl WireMessage for DeviceEvent {
+    fn validate(&self) -> Result<(), CodecError> {
+        if self.id == 0 {
+            return Err(CodecError::Invalid("event id 0; ids start at 1".into()));
+        }
+        let camel = self.reason.len() <= MAX_EVENT_REASON
+            && self.reason.starts_with(|c: char| c.is_ascii_uppercase())
+            && self.reason.bytes().all(|b| b.is_ascii_alphanumeric());
+        if !camel {
+            return Err(CodecError::Invalid(format!(
+                "event reason {:?} must be CamelCase ASCII of at most {MAX_EVENT_REASON} bytes",
+                self.reason
+            )));
+        }
+        if self.message.len() > MAX_EVENT_MESSAGE {
+            return Err(CodecError::Invalid(format!(
+                "event message of {} bytes, at most {MAX_EVENT_MESSAGE} allowed",
+                self.message.len()
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl WireMessage for EventAck {
+    fn validate(&self) -> Result<(), CodecError> {
+        Ok(())
     }
 }
 
@@ -262,6 +328,54 @@ mod tests {
             args: BTreeMap::new(),
         };
         assert_eq!(decode::<Command>(&encode(&cmd).unwrap()).unwrap(), cmd);
+    }
+
+    #[test]
+    fn events_round_trip_and_break_no_rule() {
+        let event = DeviceEvent {
+            id: 7,
+            warning: true,
+            reason: "FirmwareFailed".into(),
+            message: "checksum mismatch".into(),
+        };
+        assert_eq!(
+            decode::<DeviceEvent>(&encode(&event).unwrap()).unwrap(),
+            event
+        );
+        let ack = EventAck { id: 7 };
+        assert_eq!(decode::<EventAck>(&encode(&ack).unwrap()).unwrap(), ack);
+        for bad in [
+            DeviceEvent {
+                id: 0,
+                ..event.clone()
+            },
+            DeviceEvent {
+                reason: String::new(),
+                ..event.clone()
+            },
+            DeviceEvent {
+                reason: "lowerCase".into(),
+                ..event.clone()
+            },
+            DeviceEvent {
+                reason: "Has Space".into(),
+                ..event.clone()
+            },
+            DeviceEvent {
+                reason: "A".repeat(MAX_EVENT_REASON + 1),
+                ..event.clone()
+            },
+            DeviceEvent {
+                message: "x".repeat(MAX_EVENT_MESSAGE + 1),
+                ..event.clone()
+            },
+        ] {
+            let bytes = serde_cbor::to_vec(&bad).unwrap();
+            assert!(
+                matches!(decode::<DeviceEvent>(&bytes), Err(CodecError::Invalid(_))),
+                "{bad:?}"
+            );
+        }
     }
 
     #[test]

@@ -96,6 +96,7 @@ mod tests {
                     key: "device/ns/d1".into(),
                     version: Some((&Version::new("u1", 3)).into()),
                 }],
+                store_id: "s1".into(),
             })),
         };
         let back = AgentMessage::decode(hello.encode_to_vec().as_slice()).unwrap();

@@ -3,7 +3,12 @@
 //! ```text
 //! edgefleet/<node>/<namespace>/<name>/desired   agent → device, retained, CBOR DesiredState
 //! edgefleet/<node>/<namespace>/<name>/report    device → agent, CBOR DeviceReport
+//! edgefleet/<node>/<namespace>/<name>/event     device → agent, CBOR DeviceEvent
+//! edgefleet/<node>/<namespace>/<name>/event-ack agent → device, CBOR EventAck
 //! ```
+//!
+//! An event is resent by the device until its `event-ack` arrives: the
+//! broker's PUBACK only says the broker has it, not that the agent stored it.
 //!
 //! The desired topic is retained, so a device that (re)connects gets its
 //! state at once; a Device that is deleted gets an empty retained message,
@@ -25,9 +30,47 @@ pub fn report(node: &str, device: &ResourceKey) -> String {
     format!("{ROOT}/{node}/{}/{}/report", device.namespace, device.name)
 }
 
+/// Where a device publishes its events.
+pub fn event(node: &str, device: &ResourceKey) -> String {
+    format!("{ROOT}/{node}/{}/{}/event", device.namespace, device.name)
+}
+
+/// Where the agent acknowledges a device's stored events.
+pub fn event_ack(node: &str, device: &ResourceKey) -> String {
+    format!(
+        "{ROOT}/{node}/{}/{}/event-ack",
+        device.namespace, device.name
+    )
+}
+
 /// The filter an agent subscribes to for every report of its node.
 pub fn reports_of(node: &str) -> String {
     format!("{ROOT}/{node}/+/+/report")
+}
+
+/// The filter an agent subscribes to for every event of its node.
+pub fn events_of(node: &str) -> String {
+    format!("{ROOT}/{node}/+/+/event")
+}
+
+/// What a device sends its agent over MQTT.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Uplink {
+    /// A report (`…/report`).
+    Report,
+    /// An event (`…/event`).
+    Event,
+}
+
+/// The device and kind of a device → agent topic of `node`, or `None` for
+/// any other topic.
+pub fn parse_uplink(node: &str, topic: &str) -> Option<(ResourceKey, Uplink)> {
+    let (prefix, kind) = if let Some(p) = topic.strip_suffix("/report") {
+        (p, Uplink::Report)
+    } else {
+        (topic.strip_suffix("/event")?, Uplink::Event)
+    };
+    parse_report(node, &format!("{prefix}/report")).map(|key| (key, kind))
 }
 
 /// The device a report topic of `node` is about, or `None` for any other
@@ -61,6 +104,27 @@ mod tests {
             Some(key.clone())
         );
         assert_eq!(desired("edge-1", &key), "edgefleet/edge-1/plant/t1/desired");
+    }
+
+    #[test]
+    fn event_topics_are_told_from_report_topics() {
+        let key = ResourceKey::device("plant", "t1");
+        assert_eq!(
+            parse_uplink("edge-1", &event("edge-1", &key)),
+            Some((key.clone(), Uplink::Event))
+        );
+        assert_eq!(
+            parse_uplink("edge-1", &report("edge-1", &key)),
+            Some((key.clone(), Uplink::Report))
+        );
+        for topic in [
+            event_ack("edge-1", &key),
+            event("edge-2", &key),
+            "edgefleet/edge-1/plant/event".to_owned(),
+            "edgefleet/edge-1/plant/t1/event/x".to_owned(),
+        ] {
+            assert_eq!(parse_uplink("edge-1", &topic), None, "{topic}");
+        }
     }
 
     #[test]

@@ -3,6 +3,10 @@
 //! Resources, per device:
 //! - `POST d/<namespace>/<name>/report` with a CBOR [`DeviceReport`]:
 //!   `2.04 Changed` once the report is durable in the store;
+//! - `POST d/<namespace>/<name>/events` with a CBOR [`DeviceEvent`]:
+//!   `2.04 Changed` with a CBOR [`EventAck`] once the event is durable in
+//!   the store; an event id the device sent before is answered the same way
+//!   and not stored twice (outcome `event_duplicate`);
 //! - `GET d/<namespace>/<name>/desired`: `2.05 Content` with the CBOR
 //!   [`DesiredState`](edgefleet_shared::codec::DesiredState). It is
 //!   observable (RFC 7641): with `Observe: 0` the requester (its endpoint and
@@ -33,7 +37,7 @@ use coap_lite::{
     ResponseType,
 };
 use edgefleet_shared::ResourceKey;
-use edgefleet_shared::codec::{self, CodecError, DeviceReport};
+use edgefleet_shared::codec::{self, CodecError, DeviceEvent, DeviceReport, EventAck};
 use edgefleet_shared::telemetry::Outcomes;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
@@ -41,7 +45,7 @@ use tokio::net::UdpSocket;
 use tokio::sync::{Notify, broadcast};
 
 use self::observe::{Content, Due, Kind, ObserveSettings, Observers, Outgoing, Registration};
-use crate::store::{DesiredChange, Store};
+use crate::store::{DesiredChange, EventOutcome, Store};
 
 /// RFC 7252's EXCHANGE_LIFETIME: how long a message id may be retransmitted.
 pub const EXCHANGE_LIFETIME: Duration = Duration::from_secs(247);
@@ -54,6 +58,8 @@ pub const RECENT_EXCHANGES: usize = 16_384;
 pub enum Route {
     /// A device's report.
     Report(ResourceKey),
+    /// A device's events.
+    Events(ResourceKey),
     /// A device's desired state.
     Desired(ResourceKey),
 }
@@ -65,6 +71,7 @@ pub fn route(path: &[String]) -> Option<Route> {
             let key = ResourceKey::device(namespace, name);
             match resource.as_str() {
                 "report" => Some(Route::Report(key)),
+                "events" => Some(Route::Events(key)),
                 "desired" => Some(Route::Desired(key)),
                 _ => None,
             }
@@ -430,7 +437,7 @@ async fn handle(request: &Packet, peer: SocketAddr, shared: &Shared) -> (&'stati
             request,
             "unknown_resource",
             ResponseType::NotFound,
-            "no such resource; use d/<namespace>/<name>/report or /desired".into(),
+            "no such resource; use d/<namespace>/<name>/report, /events or /desired".into(),
         );
     };
     let method = match request.header.code {
@@ -439,12 +446,13 @@ async fn handle(request: &Packet, peer: SocketAddr, shared: &Shared) -> (&'stati
     };
     match (route, method) {
         (Route::Report(key), RequestType::Post) => report(request, &shared.store, &key).await,
+        (Route::Events(key), RequestType::Post) => event(request, &shared.store, &key).await,
         (Route::Desired(key), RequestType::Get) => desired(request, peer, shared, &key),
         _ => refuse(
             request,
             "method_not_allowed",
             ResponseType::MethodNotAllowed,
-            "reports are POSTed, desired state is read with GET".into(),
+            "reports and events are POSTed, desired state is read with GET".into(),
         ),
     }
 }
@@ -472,6 +480,41 @@ async fn report(request: &Packet, store: &Store, key: &ResourceKey) -> (&'static
             )
         }
     }
+}
+
+async fn event(request: &Packet, store: &Store, key: &ResourceKey) -> (&'static str, Packet) {
+    let event = match codec::decode::<DeviceEvent>(&request.payload) {
+        Ok(event) => event,
+        Err(error) => return refuse_codec(request, error),
+    };
+    if let Err(refusal) = known_device(request, store, key) {
+        return refusal;
+    }
+    let id = event.id;
+    let (outcome, highest) = match store
+        .record_event(key, event, edgefleet_shared::now_unix_ms())
+        .await
+    {
+        Ok(EventOutcome::Stored {
+            dropped_oldest: false,
+            ..
+        }) => ("event_stored", id),
+        Ok(EventOutcome::Stored { .. }) => ("event_stored_dropped_oldest", id),
+        Ok(EventOutcome::Duplicate { highest }) => ("event_duplicate", highest),
+        Err(error) => {
+            tracing::error!(device = %key, %error, "could not store an event");
+            return refuse(
+                request,
+                "store_error",
+                ResponseType::InternalServerError,
+                "event not stored".into(),
+            );
+        }
+    };
+    let mut response = reply(request, ResponseType::Changed);
+    response.set_content_format(ContentFormat::ApplicationCBOR);
+    response.payload = codec::encode(&EventAck { id: highest }).expect("an ack always encodes");
+    (outcome, response)
 }
 
 fn desired(
