@@ -15,6 +15,7 @@
 pub mod agents;
 pub mod conditions;
 pub mod crds;
+pub mod device_events;
 pub mod edge_node;
 pub mod events;
 pub mod index;

@@ -44,6 +44,11 @@ struct RunArgs {
     /// The status write budget: most Device status writes per second.
     #[arg(long, env = "EDGEFLEET_STATUS_WRITES_PER_SECOND", default_value = "50")]
     status_writes_per_second: NonZeroU32,
+    /// Most Kubernetes Events per second created for events devices raise
+    /// (update results, faults). They are never dropped: beyond the budget
+    /// they wait at the edge.
+    #[arg(long, env = "EDGEFLEET_DEVICE_EVENTS_PER_SECOND", default_value = "50")]
+    device_events_per_second: NonZeroU32,
     /// Who this replica is in the Events it publishes (in a cluster: the
     /// pod name, from the downward API).
     #[arg(long, env = "EDGEFLEET_INSTANCE")]
@@ -86,6 +91,8 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     sync_metrics.register(registry.sub_registry_with_prefix("sync"));
     let event_metrics = edgefleet_cloud::events::EventMetrics::default();
     event_metrics.register(registry.sub_registry_with_prefix("events"));
+    let device_event_metrics = edgefleet_cloud::device_events::DeviceEventMetrics::default();
+    device_event_metrics.register(registry.sub_registry_with_prefix("device_events"));
     let endpoints = tokio::spawn(telemetry::serve(
         metrics_listener,
         registry,
@@ -98,6 +105,8 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         status_metrics,
         sync_metrics,
         event_metrics,
+        device_events_per_second: args.device_events_per_second,
+        device_event_metrics,
         instance: args.instance,
         namespace: args.namespace,
         node_grace_period: std::time::Duration::from_secs(args.node_grace_seconds),

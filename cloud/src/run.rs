@@ -17,6 +17,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 
 use crate::agents::Agents;
+use crate::device_events::{DeviceEventMetrics, DeviceEvents};
 use crate::events::{EventMetrics, Events};
 use crate::index::Index;
 use crate::reconcile::{self, Context};
@@ -36,6 +37,10 @@ pub struct Settings {
     pub sync_metrics: Arc<SyncMetrics>,
     /// Counters of published Events.
     pub event_metrics: EventMetrics,
+    /// The budget of Events created for device events.
+    pub device_events_per_second: NonZeroU32,
+    /// Counters of device events.
+    pub device_event_metrics: DeviceEventMetrics,
     /// Who publishes Events (the pod or host name), shown in them.
     pub instance: Option<String>,
     /// Serve only the Devices of this namespace (all namespaces if `None`).
@@ -122,12 +127,18 @@ impl Controller {
 
         let sync_addr = settings.sync_listener.local_addr()?;
         let sync_metrics = settings.sync_metrics;
+        let device_events = DeviceEvents::new(
+            client.clone(),
+            settings.device_events_per_second,
+            settings.device_event_metrics,
+        );
         let service = SyncService::new(
             client,
             index,
             status.clone(),
             agents,
             events,
+            device_events,
             Arc::clone(&sync_metrics),
         );
         let incoming = tonic::transport::server::TcpIncoming::from(settings.sync_listener);

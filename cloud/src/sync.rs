@@ -21,6 +21,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::agents::Agents;
+use crate::device_events::{DeviceEvent, DeviceEvents, DroppedNotice};
 use crate::edge_node::NodeStatus;
 use crate::events::{Events, Note, device_reference};
 use crate::index::{Index, NodeSlice, difference};
@@ -78,19 +79,22 @@ pub struct SyncService {
     status: StatusWriter,
     agents: Arc<Agents>,
     events: Events,
+    device_events: DeviceEvents,
     metrics: Arc<SyncMetrics>,
     sessions: Arc<AtomicU64>,
 }
 
 impl SyncService {
-    /// A service serving `index`, writing reports through `status` and
-    /// EdgeNodes with `client`, keeping `agents` up to date.
+    /// A service serving `index`, writing reports through `status`, device
+    /// events through `device_events` and EdgeNodes with `client`, keeping
+    /// `agents` up to date.
     pub fn new(
         client: kube::Client,
         index: Arc<Index>,
         status: StatusWriter,
         agents: Arc<Agents>,
         events: Events,
+        device_events: DeviceEvents,
         metrics: Arc<SyncMetrics>,
     ) -> Self {
         SyncService {
@@ -99,6 +103,7 @@ impl SyncService {
             status,
             agents,
             events,
+            device_events,
             metrics,
             sessions: Arc::default(),
         }
@@ -151,7 +156,7 @@ impl proto::sync_server::Sync for SyncService {
             })?;
             held.insert(key, version.into());
         }
-        tracing::info!(node = %hello.node, agent = %hello.agent_version, boot = %hello.boot_id, held = held.len(), "agent connected");
+        tracing::info!(node = %hello.node, agent = %hello.agent_version, boot = %hello.boot_id, store = %hello.store_id, held = held.len(), "agent connected");
 
         let mut node_status = NodeStatus::new(self.client.clone(), &hello.node);
         if let Err(error) = node_status
@@ -172,6 +177,8 @@ impl proto::sync_server::Sync for SyncService {
             id,
             agents: Arc::clone(&self.agents),
             events: self.events.clone(),
+            device_events: self.device_events.clone(),
+            store_id: hello.store_id,
             node_status,
             desired: self.index.subscribe(&hello.node),
             node: hello.node,
@@ -205,6 +212,9 @@ struct Session {
     id: u64,
     agents: Arc<Agents>,
     events: Events,
+    device_events: DeviceEvents,
+    // The agent's store: its uplink sequence numbers count within it.
+    store_id: String,
     node: String,
     node_status: NodeStatus,
     desired: watch::Receiver<NodeSlice>,
@@ -361,7 +371,13 @@ impl Session {
                         notify: done.clone(),
                     };
                     match self.accept(entry) {
-                        Ok((key, change)) => self.status.submit(key, change, Some(completion)),
+                        Ok(Accepted::Status(key, change)) => {
+                            self.status.submit(key, change, Some(completion));
+                        }
+                        Ok(Accepted::Event(event)) => self.device_events.submit(event, completion),
+                        Ok(Accepted::Dropped(notice)) => {
+                            self.device_events.submit_dropped(notice, completion);
+                        }
                         Err(reason) => {
                             // Refused for good: acknowledge it so the agent
                             // does not resend it forever.
@@ -391,26 +407,62 @@ impl Session {
         Ok(())
     }
 
-    /// Checks one uplink entry: a report for a device of this node.
-    fn accept(
-        &self,
-        entry: proto::UplinkEntry,
-    ) -> Result<(ResourceKey, StatusChange), &'static str> {
-        let Some(uplink_entry::Body::Report(report)) = entry.body else {
-            return Err("unsupported_uplink");
+    /// The uid of a Device on this node, or a refusal for a device that is
+    /// not on it.
+    fn device_uid(&self, key: &ResourceKey, seq: u64) -> Result<String, &'static str> {
+        match self.desired.borrow().get(key) {
+            Some(entry) => Ok(entry.version.uid.clone()),
+            None => {
+                tracing::warn!(node = %self.node, device = %key, seq, "uplink for a device that is not on this node");
+                Err("unknown_device")
+            }
+        }
+    }
+
+    /// Checks one uplink entry: a report or event of a device of this node,
+    /// or a notice of events dropped at the edge.
+    fn accept(&self, entry: proto::UplinkEntry) -> Result<Accepted, &'static str> {
+        let report = match entry.body {
+            Some(uplink_entry::Body::Report(report)) => report,
+            Some(uplink_entry::Body::Event(event)) => {
+                let key: ResourceKey = event.device_key.parse().map_err(|_| "bad_device_key")?;
+                let uid = self.device_uid(&key, entry.seq)?;
+                if event.device_event_id == 0 || event.reason.is_empty() {
+                    return Err("bad_event");
+                }
+                return Ok(Accepted::Event(DeviceEvent {
+                    device: key,
+                    uid,
+                    node: self.node.clone(),
+                    id: event.device_event_id,
+                    warning: event.r#type() == proto::EventType::Warning,
+                    reason: event.reason,
+                    message: event.message,
+                    at_ms: event.at_ms,
+                }));
+            }
+            Some(uplink_entry::Body::EventsDropped(dropped)) => {
+                return Ok(Accepted::Dropped(DroppedNotice {
+                    node: self.node.clone(),
+                    store_id: self.store_id.clone(),
+                    seq: entry.seq,
+                    count: dropped.count,
+                    bound: dropped.bound,
+                    first_at_ms: dropped.first_at_ms,
+                    last_at_ms: dropped.last_at_ms,
+                }));
+            }
+            None => return Err("empty_uplink"),
         };
         let key: ResourceKey = report.device_key.parse().map_err(|_| "bad_device_key")?;
-        if !self.desired.borrow().contains_key(&key) {
-            tracing::warn!(node = %self.node, device = %key, seq = entry.seq, "report for a device that is not on this node");
-            return Err("unknown_device");
-        }
+        self.device_uid(&key, entry.seq)?;
         let properties = report
             .properties
             .iter()
             .map(|(k, v)| Ok((k.clone(), v.try_into()?)))
             .collect::<Result<_, edgefleet_shared::proto::MissingField>>()
             .map_err(|_| "bad_property")?;
-        Ok((
+        Ok(Accepted::Status(
             key,
             StatusChange::Reported {
                 applied_generation: report.applied_generation,
@@ -421,6 +473,16 @@ impl Session {
             },
         ))
     }
+}
+
+/// An uplink entry, checked.
+enum Accepted {
+    /// A change of a Device's status.
+    Status(ResourceKey, StatusChange),
+    /// An event a device raised.
+    Event(DeviceEvent),
+    /// Events the agent dropped at its bound.
+    Dropped(DroppedNotice),
 }
 
 /// What one Update carried.

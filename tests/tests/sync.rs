@@ -11,9 +11,9 @@ use edgefleet_agent::store::Store;
 use edgefleet_agent::sync::{self, SyncSettings};
 use edgefleet_cloud::run::{Controller, Settings};
 use edgefleet_shared::api::{Device, DevicePhase, DeviceSpec, EdgeNode, Transport};
-use edgefleet_shared::codec::DeviceReport;
+use edgefleet_shared::codec::{DeviceEvent, DeviceReport};
 use edgefleet_shared::{PropertyValue, ResourceKey};
-use edgefleet_tests::{control_plane, eventually, test_namespace};
+use edgefleet_tests::{control_plane, edge_events, eventually, test_namespace};
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use serde_json::json;
@@ -33,6 +33,8 @@ async fn start_controller(client: &Client, ns: &str) -> Controller {
             status_metrics: Default::default(),
             sync_metrics: Default::default(),
             event_metrics: Default::default(),
+            device_events_per_second: NonZeroU32::new(200).unwrap(),
+            device_event_metrics: Default::default(),
             instance: Some("test".into()),
             namespace: Some(ns.to_owned()),
             node_grace_period: NODE_GRACE,
@@ -317,6 +319,78 @@ async fn a_report_for_a_device_of_another_node_is_refused_and_counted() {
         "a foreign report reached status: {:?}",
         theirs.status
     );
+}
+
+fn event(id: u64) -> DeviceEvent {
+    DeviceEvent {
+        id,
+        warning: id.is_multiple_of(2),
+        reason: "SelfCheck".into(),
+        message: format!("self check {id}"),
+    }
+}
+
+#[tokio::test]
+async fn device_events_become_kubernetes_events_once_each_and_drops_are_reported() {
+    let Setup {
+        client,
+        ns,
+        controller,
+        store,
+        node,
+        _dir,
+    } = Setup::new("events").await;
+    let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
+    devices
+        .create(
+            &PostParams::default(),
+            &Device::new("t1", thermostat(&node, 20.0)),
+        )
+        .await
+        .unwrap();
+    let key = ResourceKey::device(&ns, "t1");
+
+    // Offline, with room for 4 events: 6 arrive, the 2 oldest are dropped.
+    let store = store.with_max_events(4);
+    for id in 1..=6 {
+        store
+            .record_event(&key, event(id), 1_700_000_000_000 + id as i64)
+            .await
+            .unwrap();
+    }
+    assert_eq!(store.events_dropped_total().unwrap(), 2);
+    let agent = start_agent(&controller, &node, &store);
+    eventually("the outbox drains", || async {
+        (store.outbox_depth() == 0).then_some(())
+    })
+    .await;
+    let ids = edge_events::device_event_ids(&client, &ns).await.unwrap();
+    assert_eq!(ids.get("t1"), Some(&vec![3, 4, 5, 6]), "{ids:?}");
+    let notices = edge_events::dropped_notices(&client, &node).await.unwrap();
+    assert_eq!(notices.len(), 1, "{notices:?}");
+    assert!(
+        notices[0].contains("bound of 4") && notices[0].contains("2 oldest"),
+        "{notices:?}"
+    );
+
+    // The store is lost and rebuilt; the device resends what it never saw
+    // confirmed (5 and 6) and one new event. The cloud creates only the new one.
+    agent.abort();
+    let dir = tempfile::tempdir().unwrap();
+    let rebuilt = Store::open(&dir.path().join("store")).unwrap().store;
+    for id in [5, 6, 7] {
+        rebuilt
+            .record_event(&key, event(id), 1_700_000_001_000)
+            .await
+            .unwrap();
+    }
+    let _agent = start_agent(&controller, &node, &rebuilt);
+    eventually("the rebuilt store's outbox drains", || async {
+        (rebuilt.outbox_depth() == 0).then_some(())
+    })
+    .await;
+    let ids = edge_events::device_event_ids(&client, &ns).await.unwrap();
+    assert_eq!(ids.get("t1"), Some(&vec![3, 4, 5, 6, 7]), "{ids:?}");
 }
 
 /// The Events about Device `name` as (reason, note, count), oldest first.
