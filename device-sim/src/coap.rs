@@ -46,6 +46,15 @@ impl Request {
         }
     }
 
+    /// `POST d/<namespace>/<name>/events` carrying a CBOR event.
+    pub fn event(namespace: &str, name: &str, payload: Vec<u8>) -> Self {
+        Request {
+            method: RequestType::Post,
+            path: ["d", namespace, name, "events"].map(str::to_owned).to_vec(),
+            payload,
+        }
+    }
+
     /// The confirmable message for this request.
     pub fn to_packet(&self, message_id: u16, token: Token) -> Packet {
         let mut packet = Packet::new();

@@ -30,6 +30,9 @@ pub struct RunConfig {
     pub final_state: Option<PathBuf>,
     /// CoAP retransmission parameters.
     pub retransmit: RetransmitParams,
+    /// Each device raises a `SelfCheck` event every this many reports (0:
+    /// only update results).
+    pub event_every: u32,
 }
 
 /// Where a node's agent serves CoAP and its MQTT broker listens, written

@@ -20,6 +20,7 @@ pub mod applied_log;
 pub mod coap;
 pub mod config;
 pub mod device;
+pub mod events;
 pub mod fleet;
 pub mod manifest;
 pub mod model;

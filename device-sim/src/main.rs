@@ -124,6 +124,11 @@ struct RunArgs {
     /// Stop after this long (default: run until Ctrl-C or SIGTERM).
     #[arg(long, env = "EDGEFLEET_SIM_DURATION", value_parser = parse_duration)]
     duration: Option<Duration>,
+    /// Each device also raises a `SelfCheck` event every this many reports
+    /// (0: devices raise only update results: ConfigApplied,
+    /// FirmwareInstalled).
+    #[arg(long, env = "EDGEFLEET_SIM_EVENT_EVERY", default_value_t = 0)]
+    event_every: u32,
     /// CoAP ACK_TIMEOUT: the shortest wait before a retransmission.
     #[arg(long, env = "EDGEFLEET_SIM_COAP_ACK_TIMEOUT", default_value = "2s", value_parser = parse_duration)]
     coap_ack_timeout: Duration,
@@ -168,6 +173,7 @@ async fn simulate(args: RunArgs) -> anyhow::Result<()> {
             ack_timeout: args.coap_ack_timeout,
             ..RetransmitParams::default()
         },
+        event_every: args.event_every,
     };
     let shutdown = shutdown_signal(args.duration)?;
     let summary = edgefleet_sim::run(config, shutdown).await?;

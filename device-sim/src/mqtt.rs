@@ -1,7 +1,8 @@
 //! MQTT sessions shared by groups of a node's devices.
 //!
 //! A session subscribes to the retained desired topic of each of its devices
-//! (QoS 1) and hands each message to its device through a [`watch`] channel:
+//! (QoS 1) and of its event-ack topic, and hands each message to its device
+//! through a [`watch`] channel:
 //! a device only ever needs the latest desired state, and a watch channel
 //! never blocks the session, however slow the device. Devices whose
 //! transport is MQTT publish their reports through their group's client;
@@ -18,7 +19,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use edgefleet_shared::codec::{self, CodecError, DesiredState};
+use edgefleet_shared::codec::{self, CodecError, DesiredState, EventAck};
 use rumqttc::{AsyncClient, Event, EventLoop, MqttOptions, Outgoing, Packet, QoS};
 use tokio::sync::watch;
 
@@ -50,8 +51,17 @@ impl Inbox {
     }
 }
 
-/// Where the session delivers each desired topic: the device's inbox.
-pub type Routes = HashMap<String, watch::Sender<Option<Inbox>>>;
+/// Where the session delivers a topic's messages.
+#[derive(Debug)]
+pub enum Route {
+    /// A device's desired topic: to its inbox.
+    Desired(watch::Sender<Option<Inbox>>),
+    /// A device's event-ack topic: the highest event id the agent confirmed.
+    EventAck(watch::Sender<u64>),
+}
+
+/// Where the session delivers each topic it subscribes to.
+pub type Routes = HashMap<String, Route>;
 
 /// Devices sharing one MQTT session.
 pub const DEVICES_PER_SESSION: usize = 50;
@@ -103,11 +113,27 @@ pub async fn drive(
                 });
             }
             Ok(Event::Incoming(Packet::Publish(publish))) => {
-                tracing::debug!(topic = %publish.topic, bytes = publish.payload.len(), retained = publish.retain, "desired state received");
-                let Some(inbox) = routes.get(&publish.topic) else {
+                tracing::debug!(topic = %publish.topic, bytes = publish.payload.len(), retained = publish.retain, "message received");
+                let inbox = match routes.get(&publish.topic) {
+                    Some(Route::Desired(inbox)) => inbox,
+                    Some(Route::EventAck(acks)) => {
+                        match codec::decode::<EventAck>(&publish.payload) {
+                            Ok(ack) => {
+                                acks.send_if_modified(|highest| {
+                                    let newer = ack.id > *highest;
+                                    *highest = (*highest).max(ack.id);
+                                    newer
+                                });
+                            }
+                            Err(e) => {
+                                tracing::warn!(topic = %publish.topic, error = %e, "malformed event ack")
+                            }
+                        }
+                        continue;
+                    }
                     // A device of this node and namespace that this
                     // simulation does not run.
-                    continue;
+                    None => continue,
                 };
                 match Inbox::decode(&publish.payload) {
                     Ok(message) => {

@@ -8,6 +8,11 @@
 //! flight finishes. It keeps at most one report in flight: a report due
 //! meanwhile is sent, with the then-current state, once the previous one is
 //! done.
+//!
+//! A device also raises events: `ConfigApplied` for each new generation,
+//! `FirmwareInstalled` when an install completes, and `SelfCheck` every
+//! `event_every` reports if asked. They go up one at a time, oldest first,
+//! and are resent until the agent confirms them (see [`EventQueue`]).
 
 use std::collections::HashSet;
 use std::future::Future;
@@ -18,7 +23,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use edgefleet_shared::ResourceKey;
 use edgefleet_shared::api::Transport;
-use edgefleet_shared::codec::{self, DesiredState, DeviceReport};
+use edgefleet_shared::codec::{self, DesiredState, DeviceEvent, DeviceReport, EventAck};
 use edgefleet_shared::topics;
 use rand::RngExt;
 use rumqttc::{AsyncClient, QoS};
@@ -30,15 +35,24 @@ use crate::applied_log::{AppliedEntry, AppliedLog};
 use crate::coap::{CoapClient, ExchangeError, Request};
 use crate::config::{NodeEndpoint, RunConfig};
 use crate::device::{Applied, Purpose, SimDevice, device_rng};
+use crate::events::EventQueue;
 use crate::fleet::DeviceSlot;
 use crate::model::SimRng;
-use crate::mqtt::{self, Inbox, Routes};
+use crate::mqtt::{self, Inbox, Route, Routes};
 use crate::retransmit::RetransmitParams;
 use crate::summary::{Stats, Summary};
 
 /// A report on its way; resolves once it is acknowledged (`true`), refused
 /// or failed.
 type InFlight = Pin<Box<dyn Future<Output = bool> + Send>>;
+
+/// An event on its way; resolves with the highest event id the agent
+/// confirmed, or `None` if it did not answer.
+type EventFlight = Pin<Box<dyn Future<Output = Option<u64>> + Send>>;
+
+/// How long a device waits for the agent's confirmation of an MQTT event
+/// before sending it again, and after a failed attempt over CoAP.
+const EVENT_RETRY: Duration = Duration::from_secs(3);
 
 /// How long a stopping device waits for its report in flight.
 const STOP_GRACE: Duration = Duration::from_secs(5);
@@ -49,6 +63,10 @@ const STOP_GRACE: Duration = Duration::from_secs(5);
 struct FinalState {
     device: String,
     report: Option<DeviceReport>,
+    /// Every event id the device raised.
+    events: Vec<u64>,
+    /// Those the agent had not confirmed when the simulation stopped.
+    unconfirmed_events: Vec<u64>,
 }
 
 /// Runs the simulation until `shutdown` resolves, then stops every device
@@ -207,7 +225,11 @@ impl NodeContext<'_> {
         for slot in slots {
             let key = ResourceKey::device(&self.config.namespace, &slot.name);
             let (inbox_tx, inbox) = watch::channel(None);
-            routes.insert(topics::desired(node, &key), inbox_tx);
+            routes.insert(topics::desired(node, &key), Route::Desired(inbox_tx));
+            let (acks_tx, acks) = watch::channel(0);
+            if slot.transport == Transport::Mqtt {
+                routes.insert(topics::event_ack(node, &key), Route::EventAck(acks_tx));
+            }
             let reporter = match slot.transport {
                 Transport::Coap => Reporter::Coap {
                     client: Arc::clone(coap),
@@ -218,6 +240,8 @@ impl NodeContext<'_> {
                 Transport::Mqtt => Reporter::Mqtt {
                     client: mqtt.clone(),
                     topic: topics::report(node, &key),
+                    event_topic: topics::event(node, &key),
+                    acks,
                 },
             };
             let device = DeviceTask {
@@ -227,6 +251,8 @@ impl NodeContext<'_> {
                 inbox,
                 reporter,
                 report_interval: self.config.report_interval,
+                event_every: self.config.event_every,
+                events: EventQueue::default(),
                 start: self.start,
                 stats: Arc::clone(self.stats),
                 applied_log: self.applied_log.cloned(),
@@ -257,8 +283,14 @@ enum Reporter {
         name: String,
         params: RetransmitParams,
     },
-    /// MQTT publish (QoS 1) to the device's report topic.
-    Mqtt { client: AsyncClient, topic: String },
+    /// MQTT publish (QoS 1) to the device's report or event topic; events
+    /// are confirmed on the device's event-ack topic (`acks`).
+    Mqtt {
+        client: AsyncClient,
+        topic: String,
+        event_topic: String,
+        acks: watch::Receiver<u64>,
+    },
 }
 
 impl Reporter {
@@ -298,7 +330,7 @@ impl Reporter {
                     false
                 })
             }
-            Reporter::Mqtt { client, topic } => {
+            Reporter::Mqtt { client, topic, .. } => {
                 let (client, topic) = (client.clone(), topic.clone());
                 Box::pin(async move {
                     // Acknowledgements (PUBACK) are counted by the session.
@@ -317,6 +349,71 @@ impl Reporter {
     }
 }
 
+impl Reporter {
+    /// Starts sending `event`; the future resolves with the agent's
+    /// confirmation.
+    fn send_event(&self, event: &DeviceEvent, rng: &mut SimRng) -> EventFlight {
+        let payload = match codec::encode(event) {
+            Ok(payload) => payload,
+            Err(e) => {
+                // Raised by this program: a bug, not a network failure.
+                panic!("event {event:?} does not encode: {e}");
+            }
+        };
+        let id = event.id;
+        match self {
+            Reporter::Coap {
+                client,
+                namespace,
+                name,
+                params,
+            } => {
+                let request = Request::event(namespace, name, payload);
+                let retransmission = params.start(rng);
+                let client = Arc::clone(client);
+                Box::pin(async move {
+                    let exchange = client.request(&request, retransmission).await;
+                    match exchange.result {
+                        Ok(response) if response.is_success() => {
+                            codec::decode::<EventAck>(&response.payload)
+                                .ok()
+                                .map(|a| a.id)
+                        }
+                        Ok(response) => {
+                            tracing::debug!(path = ?request.path, code = %response.code, "event refused");
+                            None
+                        }
+                        Err(_) => None,
+                    }
+                })
+            }
+            Reporter::Mqtt {
+                client,
+                event_topic,
+                acks,
+                ..
+            } => {
+                let (client, topic, mut acks) = (client.clone(), event_topic.clone(), acks.clone());
+                Box::pin(async move {
+                    if let Err(e) = client
+                        .publish(&topic, QoS::AtLeastOnce, false, payload)
+                        .await
+                    {
+                        tracing::debug!(%topic, error = %e, "event publish failed");
+                        return None;
+                    }
+                    let confirmed =
+                        tokio::time::timeout(EVENT_RETRY, acks.wait_for(|h| *h >= id)).await;
+                    match confirmed {
+                        Ok(Ok(highest)) => Some(*highest),
+                        _ => None,
+                    }
+                })
+            }
+        }
+    }
+}
+
 /// Why a device task woke up.
 enum Wake {
     /// The simulation is stopping.
@@ -329,6 +426,10 @@ enum Wake {
     InstallDue,
     /// The report in flight finished (acknowledged or not).
     ReportDone(bool),
+    /// The event in flight finished: the highest id confirmed, if any.
+    EventDone(Option<u64>),
+    /// Time to try the unconfirmed events again.
+    EventRetry,
 }
 
 /// One simulated device at run time.
@@ -340,6 +441,9 @@ struct DeviceTask {
     inbox: watch::Receiver<Option<Inbox>>,
     reporter: Reporter,
     report_interval: Duration,
+    /// Raise a `SelfCheck` event every this many reports (0: never).
+    event_every: u32,
+    events: EventQueue,
     start: Instant,
     stats: Arc<Stats>,
     applied_log: Option<AppliedLog>,
@@ -357,6 +461,10 @@ impl DeviceTask {
         let mut in_flight: Option<(InFlight, DeviceReport)> = None;
         let mut acknowledged: Option<DeviceReport> = None;
         let mut report_due = false;
+        let mut event_in_flight: Option<EventFlight> = None;
+        let mut event_retry_at: Option<Instant> = None;
+        let mut firmware = self.device.firmware_version().to_owned();
+        let mut reports = 0u64;
         loop {
             let install_due = self.device.install_due().map(|at| self.start + at);
             let wake = tokio::select! {
@@ -370,6 +478,9 @@ impl DeviceTask {
                 () = sleep_until(install_due) => Wake::InstallDue,
                 ok = async { in_flight.as_mut().expect("guarded by the precondition").0.as_mut().await },
                     if in_flight.is_some() => Wake::ReportDone(ok),
+                confirmed = async { event_in_flight.as_mut().expect("guarded by the precondition").as_mut().await },
+                    if event_in_flight.is_some() => Wake::EventDone(confirmed),
+                () = sleep_until(event_retry_at) => Wake::EventRetry,
             };
             match wake {
                 Wake::Stop => {
@@ -380,6 +491,21 @@ impl DeviceTask {
                     {
                         acknowledged = Some(sent);
                     }
+                    // And the events still unconfirmed, for as long.
+                    let drain = async {
+                        if let Some(flight) = event_in_flight.take()
+                            && let Some(highest) = flight.await
+                        {
+                            self.events.confirmed(highest);
+                        }
+                        while let Some(event) = self.events.next() {
+                            match self.reporter.send_event(event, &mut self.net_rng).await {
+                                Some(highest) => self.events.confirmed(highest),
+                                None => tokio::time::sleep(Duration::from_millis(200)).await,
+                            }
+                        }
+                    };
+                    let _ = tokio::time::timeout(STOP_GRACE, drain).await;
                     break;
                 }
                 Wake::Inbox => {
@@ -416,16 +542,46 @@ impl DeviceTask {
                         acknowledged = Some(sent);
                     }
                 }
+                Wake::EventDone(confirmed) => {
+                    event_in_flight = None;
+                    match confirmed {
+                        Some(highest) => self.events.confirmed(highest),
+                        None => event_retry_at = Some(Instant::now() + EVENT_RETRY),
+                    }
+                }
+                Wake::EventRetry => event_retry_at = None,
             }
             if report_due && in_flight.is_none() {
                 report_due = false;
                 in_flight = self.report();
                 next_report = next_report.map(|_| Instant::now() + self.report_interval);
+                reports += 1;
+                if self.event_every > 0 && reports.is_multiple_of(u64::from(self.event_every)) {
+                    let n = reports / u64::from(self.event_every);
+                    self.events
+                        .raise(false, "SelfCheck", format!("self check {n} passed"));
+                }
+            }
+            if self.device.firmware_version() != firmware {
+                firmware = self.device.firmware_version().to_owned();
+                self.events.raise(
+                    false,
+                    "FirmwareInstalled",
+                    format!("firmware {firmware} installed"),
+                );
+            }
+            if event_in_flight.is_none()
+                && event_retry_at.is_none()
+                && let Some(event) = self.events.next()
+            {
+                event_in_flight = Some(self.reporter.send_event(event, &mut self.net_rng));
             }
         }
         Some(FinalState {
             device: self.id.clone(),
             report: acknowledged,
+            events: self.events.raised().to_vec(),
+            unconfirmed_events: self.events.unconfirmed(),
         })
     }
 
@@ -433,6 +589,11 @@ impl DeviceTask {
     fn apply(&mut self, desired: &DesiredState) -> Applied {
         let applied = self.device.apply(desired, self.start.elapsed());
         if applied == Applied::New {
+            self.events.raise(
+                false,
+                "ConfigApplied",
+                format!("applied generation {}", desired.generation),
+            );
             self.stats.desired_applied();
             if let Some(log) = &self.applied_log {
                 log.record(AppliedEntry::now(self.id.clone(), desired.generation));

@@ -203,6 +203,7 @@ fn config(
         applied_log: None,
         final_state: None,
         retransmit: RetransmitParams::default(),
+        event_every: 0,
     }
 }
 

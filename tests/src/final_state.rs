@@ -26,6 +26,33 @@ pub fn read_final_state(path: &Path) -> anyhow::Result<HashMap<String, DeviceRep
     Ok(finals)
 }
 
+/// The events one device raised, from the final-state file.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Deserialize)]
+pub struct FinalEvents {
+    /// Every event id it raised, in order.
+    pub events: Vec<u64>,
+    /// Those its agent had not confirmed when the simulator stopped.
+    pub unconfirmed_events: Vec<u64>,
+}
+
+/// Each device's events, by Device name.
+pub fn read_final_events(path: &Path) -> anyhow::Result<HashMap<String, FinalEvents>> {
+    #[derive(serde::Deserialize)]
+    struct Line {
+        device: String,
+        #[serde(flatten)]
+        events: FinalEvents,
+    }
+    let mut finals = HashMap::new();
+    for line in std::fs::read_to_string(path)?.lines() {
+        let line: Line = serde_json::from_str(line)?;
+        if let Some(name) = line.device.split('/').nth(1) {
+            finals.insert(name.to_owned(), line.events);
+        }
+    }
+    Ok(finals)
+}
+
 /// Whether a Device's status shows exactly its device's last report
 /// (numbers compared by value: the API server turns 19.0 into 19).
 pub fn matches_final(device: &Device, finals: &HashMap<String, DeviceReport>) -> bool {

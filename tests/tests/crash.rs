@@ -1,16 +1,20 @@
 //! Crash safety with real processes: the agent is killed with SIGKILL at
-//! seeded random moments while simulated devices report over CoAP and specs
-//! change, and restarted on the same store. At the end every Device's status
-//! equals its device's last acknowledged report, at the Device's latest
-//! generation: no accepted report and no desired state was lost.
+//! seeded random moments (100 times by default) while simulated devices
+//! report and raise events over CoAP and specs change, and restarted on the
+//! same store. At the end every Device's status equals its device's last
+//! acknowledged report, at the Device's latest generation, and every event
+//! the devices raised is a Kubernetes Event exactly once: no accepted report,
+//! event or desired state was lost or repeated.
 //!
-//! The seed is printed; `EDGEFLEET_CRASH_SEED=N` replays a run.
+//! The seed is printed; `EDGEFLEET_CRASH_SEED=N` replays a run and
+//! `EDGEFLEET_CRASH_KILLS=N` sets the number of kills.
 
 use std::path::Path;
 use std::time::Duration;
 
 use edgefleet_shared::api::Device;
-use edgefleet_tests::final_state::{matches_final, read_final_state};
+use edgefleet_tests::edge_events::device_event_ids;
+use edgefleet_tests::final_state::{matches_final, read_final_events, read_final_state};
 use edgefleet_tests::fleet_view::applied_current_generation;
 use edgefleet_tests::process::{http_get, metric};
 use edgefleet_tests::stack::{Stack, StackSpec};
@@ -68,15 +72,19 @@ async fn all_applied(devices: &Api<Device>, count: usize) -> Option<()> {
     let applied = list.items.iter().all(applied_current_generation);
     (list.items.len() == count && applied).then_some(())
 }
-const KILLS: u32 = 8;
+const KILLS: u32 = 100;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_agent_killed_at_random_moments_loses_no_report_and_no_desired_state() {
+async fn an_agent_killed_100_times_loses_and_repeats_no_report_event_or_desired_state() {
     let seed: u64 = std::env::var("EDGEFLEET_CRASH_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(7);
-    eprintln!("crash test seed: {seed} (EDGEFLEET_CRASH_SEED)");
+    let kills: u32 = std::env::var("EDGEFLEET_CRASH_KILLS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(KILLS);
+    eprintln!("crash test seed: {seed} (EDGEFLEET_CRASH_SEED), {kills} kills");
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
 
     let Fleet {
@@ -86,6 +94,9 @@ async fn an_agent_killed_at_random_moments_loses_no_report_and_no_desired_state(
     } = Fleet::start("crash", DEVICES, |dir| {
         vec![
             "--report-interval=300ms".into(),
+            // Every device raises an event about every second, besides its
+            // update results.
+            "--event-every=3".into(),
             format!("--final-state={}", dir.join("final.jsonl").display()),
         ]
     })
@@ -93,8 +104,8 @@ async fn an_agent_killed_at_random_moments_loses_no_report_and_no_desired_state(
     let final_state = dir.path().join("final.jsonl");
     let all_applied = || all_applied(&devices, DEVICES);
 
-    for kill in 1..=KILLS {
-        tokio::time::sleep(Duration::from_millis(rng.random_range(100..1500))).await;
+    for kill in 1..=kills {
+        tokio::time::sleep(Duration::from_millis(rng.random_range(50..800))).await;
         // Every other round a spec changes just before the kill, so kills
         // also land while an update is being stored and applied.
         if kill % 2 == 0 {
@@ -157,6 +168,52 @@ async fn an_agent_killed_at_random_moments_loses_no_report_and_no_desired_state(
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
     assert_eq!(list.items.len(), DEVICES);
+
+    // Every event raised is confirmed by the agent, and is an Event exactly
+    // once: none lost to a kill, none repeated by a resend.
+    let raised = read_final_events(&final_state).unwrap();
+    assert_eq!(raised.len(), DEVICES);
+    let total: usize = raised.values().map(|e| e.events.len()).sum();
+    assert!(
+        total > DEVICES * 5,
+        "only {total} events raised: the test exercised too little"
+    );
+    for (name, events) in &raised {
+        assert!(
+            events.unconfirmed_events.is_empty(),
+            "seed {seed}: {name}'s events {:?} were never confirmed",
+            events.unconfirmed_events
+        );
+    }
+    let expected: std::collections::BTreeMap<String, Vec<u64>> = raised
+        .into_iter()
+        .map(|(name, events)| (name, events.events))
+        .collect();
+    let client = devices.clone().into_client();
+    let ns = devices.namespace().unwrap().to_owned();
+    let deadline = tokio::time::Instant::now() + edgefleet_tests::PATIENCE;
+    loop {
+        let arrived = device_event_ids(&client, &ns).await.unwrap();
+        if arrived == expected {
+            break;
+        }
+        if tokio::time::Instant::now() > deadline {
+            let wrong: Vec<String> = expected
+                .iter()
+                .filter(|(name, ids)| arrived.get(*name) != Some(ids))
+                .map(|(name, ids)| {
+                    format!("{name}: raised {ids:?}, arrived {:?}", arrived.get(name))
+                })
+                .collect();
+            panic!(
+                "seed {seed}: events lost or repeated (logs in {}):\n{}",
+                dir.keep().display(),
+                wrong.join("\n")
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    eprintln!("{total} events raised, each arrived exactly once");
     stack.shutdown();
 }
 
