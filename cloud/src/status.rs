@@ -7,7 +7,13 @@
 //! - writes only when a field people care about changed (reported values,
 //!   generations, firmware, phase, conditions; `lastSeen` at most once per
 //!   [`LAST_SEEN_RESOLUTION`]);
-//! - paces writes with a global rate limit.
+//! - paces writes with a global rate limit;
+//! - never lets a stale report overwrite a newer one: each report names its
+//!   origin (agent store, uplink sequence number) and the status keeps the
+//!   origin of the report it shows (`lastReport`), so a resend or a delayed
+//!   copy is ignored, across controller restarts too. `lastReport` alone
+//!   never causes a write: it is persisted with the next write that is due
+//!   anyway, and kept in memory until then.
 //!
 //! Each change can carry a completion: the sync session acknowledges an
 //! uplink sequence number to its agent only once the write that carries it
@@ -19,7 +25,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use edgefleet_shared::api::device::condition;
-use edgefleet_shared::api::{Device, DevicePhase, DeviceStatus};
+use edgefleet_shared::api::{Device, DevicePhase, DeviceStatus, ReportOrigin};
 use edgefleet_shared::{PropertyValue, ResourceKey};
 use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
@@ -61,6 +67,8 @@ pub enum StatusChange {
         firmware_version: Option<String>,
         /// When the agent received the report (Unix milliseconds).
         received_at_ms: i64,
+        /// Where it came from; `None` from an agent that does not say.
+        origin: Option<ReportOrigin>,
     },
     /// The controller accepted this generation of the spec.
     Observed {
@@ -108,6 +116,8 @@ pub struct StatusMetrics {
     pub failures: prometheus_client::metrics::counter::Counter,
     /// Changes for Devices that no longer exist.
     pub gone: prometheus_client::metrics::counter::Counter,
+    /// Reports older than the one the status shows, ignored.
+    pub stale: prometheus_client::metrics::counter::Counter,
 }
 
 impl StatusMetrics {
@@ -133,6 +143,11 @@ impl StatusMetrics {
             "gone",
             "Status changes for Devices that no longer exist",
             self.gone.clone(),
+        );
+        registry.register(
+            "stale",
+            "Reports older than the one the status shows, ignored",
+            self.stale.clone(),
         );
     }
 }
@@ -354,9 +369,16 @@ impl StatusWriter {
             })
             .fold(device.metadata.generation.unwrap_or_default(), i64::max);
         let uid = device.metadata.uid.clone().unwrap_or_default();
+        let stale = count_stale(&base, &pending.changes);
+        self.inner.metrics.stale.inc_by(stale);
         let next = next_status(&base, &pending.changes, &uid, generation, now);
-        if next == base {
+        if !needs_write(&base, &next) {
             self.inner.metrics.skipped.inc();
+            if next != base {
+                // Only the report's origin moved: remember it for the guard.
+                let mut state = self.inner.state.lock().expect("status state");
+                state.written.insert(key.clone(), next);
+            }
             complete(&pending.completions);
             return Ok(());
         }
@@ -520,7 +542,14 @@ pub fn next_status(
                 properties,
                 firmware_version,
                 received_at_ms,
+                origin,
             } => {
+                if let Some(origin) = origin {
+                    if origin.is_stale_against(next.last_report.as_ref()) {
+                        continue;
+                    }
+                    next.last_report = Some(origin.clone());
+                }
                 reported = true;
                 next.applied_generation = Some(*applied_generation);
                 next.reported = properties.clone();
@@ -602,6 +631,35 @@ pub fn next_status(
     next
 }
 
+/// Whether `next` differs from `base` in a field people care about: a new
+/// report origin alone waits for the next write that is due anyway.
+pub fn needs_write(base: &DeviceStatus, next: &DeviceStatus) -> bool {
+    let mut same_origin = next.clone();
+    same_origin.last_report = base.last_report.clone();
+    same_origin != *base
+}
+
+/// How many reports among `changes` are stale against `base` and each
+/// other (what [`next_status`] will skip).
+fn count_stale(base: &DeviceStatus, changes: &[StatusChange]) -> u64 {
+    let mut shown = base.last_report.clone();
+    let mut stale = 0;
+    for change in changes {
+        if let StatusChange::Reported {
+            origin: Some(origin),
+            ..
+        } = change
+        {
+            if origin.is_stale_against(shown.as_ref()) {
+                stale += 1;
+            } else {
+                shown = Some(origin.clone());
+            }
+        }
+    }
+    stale
+}
+
 /// The reason of `Online=Unknown` when a Device's node has no agent.
 pub const NODE_UNREACHABLE: &str = "NodeUnreachable";
 
@@ -650,7 +708,80 @@ mod tests {
             )]),
             firmware_version: Some("1.0.0".into()),
             received_at_ms: ms,
+            origin: None,
         }
+    }
+
+    fn report_from(store: &str, seq: u64, temperature: f64) -> StatusChange {
+        let StatusChange::Reported {
+            applied_generation,
+            properties,
+            firmware_version,
+            received_at_ms,
+            ..
+        } = report(1, temperature, 1_000)
+        else {
+            unreachable!()
+        };
+        StatusChange::Reported {
+            applied_generation,
+            properties,
+            firmware_version,
+            received_at_ms,
+            origin: Some(ReportOrigin {
+                store: store.into(),
+                seq,
+            }),
+        }
+    }
+
+    #[test]
+    fn a_stale_report_never_overwrites_a_newer_one() {
+        let s1 = next_status(
+            &DeviceStatus::default(),
+            &[report_from("a", 10, 21.0)],
+            "u",
+            1,
+            at(1),
+        );
+        assert_eq!(
+            s1.last_report,
+            Some(ReportOrigin {
+                store: "a".into(),
+                seq: 10
+            })
+        );
+        // A resend of seq 10 and an older seq 7 from the same store: ignored.
+        for stale in [report_from("a", 10, 5.0), report_from("a", 7, 5.0)] {
+            assert_eq!(count_stale(&s1, std::slice::from_ref(&stale)), 1);
+            assert_eq!(next_status(&s1, &[stale], "u", 1, at(2)), s1);
+        }
+        // A newer seq wins; so does any seq from another (rebuilt) store.
+        let s2 = next_status(&s1, &[report_from("a", 11, 22.0)], "u", 1, at(3));
+        assert_eq!(s2.reported["temperature"], PropertyValue::Float(22.0));
+        let s3 = next_status(&s2, &[report_from("b", 1, 23.0)], "u", 1, at(4));
+        assert_eq!(s3.reported["temperature"], PropertyValue::Float(23.0));
+        // Within one batch too: the newest seq decides, whatever the order.
+        let batch = [report_from("a", 12, 24.0), report_from("a", 11, 5.0)];
+        assert_eq!(count_stale(&s2, &batch), 1);
+        let s4 = next_status(&s2, &batch, "u", 1, at(5));
+        assert_eq!(s4.reported["temperature"], PropertyValue::Float(24.0));
+    }
+
+    #[test]
+    fn a_new_report_origin_alone_causes_no_write() {
+        let s1 = next_status(
+            &DeviceStatus::default(),
+            &[report_from("a", 1, 21.0)],
+            "u",
+            1,
+            at(1),
+        );
+        let same_values = next_status(&s1, &[report_from("a", 2, 21.0)], "u", 1, at(2));
+        assert_ne!(same_values, s1, "the origin moved");
+        assert!(!needs_write(&s1, &same_values));
+        let new_values = next_status(&s1, &[report_from("a", 3, 25.0)], "u", 1, at(3));
+        assert!(needs_write(&s1, &new_values));
     }
 
     #[test]

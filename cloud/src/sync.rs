@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use edgefleet_shared::api::ReportOrigin;
 use edgefleet_shared::proto::{self, agent_message, cloud_message, resource, uplink_entry};
 use edgefleet_shared::telemetry::Outcomes;
 use edgefleet_shared::{ResourceKey, ResourceVersion};
@@ -470,6 +471,10 @@ impl Session {
                 firmware_version: (!report.firmware_version.is_empty())
                     .then_some(report.firmware_version),
                 received_at_ms: report.received_at_ms,
+                origin: (!self.store_id.is_empty()).then(|| ReportOrigin {
+                    store: self.store_id.clone(),
+                    seq: entry.seq,
+                }),
             },
         ))
     }

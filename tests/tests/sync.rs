@@ -12,7 +12,7 @@ use edgefleet_agent::sync::{self, SyncSettings};
 use edgefleet_cloud::run::{Controller, Settings};
 use edgefleet_shared::api::{Device, DevicePhase, DeviceSpec, EdgeNode, Transport};
 use edgefleet_shared::codec::{DeviceEvent, DeviceReport};
-use edgefleet_shared::{PropertyValue, ResourceKey};
+use edgefleet_shared::{PropertyValue, ResourceKey, proto};
 use edgefleet_tests::{control_plane, edge_events, eventually, test_namespace};
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
@@ -391,6 +391,137 @@ async fn device_events_become_kubernetes_events_once_each_and_drops_are_reported
     .await;
     let ids = edge_events::device_event_ids(&client, &ns).await.unwrap();
     assert_eq!(ids.get("t1"), Some(&vec![3, 4, 5, 6, 7]), "{ids:?}");
+}
+
+/// A sync stream driven by hand, to send what a real agent never would.
+struct RawAgent {
+    tx: tokio::sync::mpsc::Sender<proto::AgentMessage>,
+    inbound: tonic::Streaming<proto::CloudMessage>,
+}
+
+impl RawAgent {
+    async fn connect(controller: &Controller, hello: proto::Hello) -> RawAgent {
+        let mut client =
+            proto::sync_client::SyncClient::connect(format!("http://{}", controller.sync_addr))
+                .await
+                .unwrap();
+        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        tx.send(agent_message(proto::agent_message::Kind::Hello(hello)))
+            .await
+            .unwrap();
+        let inbound = client
+            .stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        RawAgent { tx, inbound }
+    }
+
+    async fn send(&self, kind: proto::agent_message::Kind) {
+        self.tx.send(agent_message(kind)).await.unwrap();
+    }
+
+    /// Acks every Update and returns once an UplinkAck reaches `seq`.
+    async fn until_uplink_ack(&mut self, seq: u64) {
+        let wait = async {
+            loop {
+                let message = self.inbound.message().await.unwrap().expect("stream open");
+                match message.kind {
+                    Some(proto::cloud_message::Kind::Update(update)) => {
+                        let ack = proto::Ack {
+                            nonce: update.nonce,
+                        };
+                        self.send(proto::agent_message::Kind::Ack(ack)).await;
+                    }
+                    Some(proto::cloud_message::Kind::UplinkAck(ack)) if ack.seq >= seq => return,
+                    _ => {}
+                }
+            }
+        };
+        tokio::time::timeout(edgefleet_tests::PATIENCE, wait)
+            .await
+            .unwrap_or_else(|_| panic!("no UplinkAck up to {seq}"));
+    }
+}
+
+fn agent_message(kind: proto::agent_message::Kind) -> proto::AgentMessage {
+    proto::AgentMessage { kind: Some(kind) }
+}
+
+fn uplink_report(key: &ResourceKey, seq: u64, temperature: f64) -> proto::agent_message::Kind {
+    let report = proto::Report {
+        device_key: key.to_string(),
+        applied_generation: 1,
+        properties: [(
+            "temperature".to_owned(),
+            (&PropertyValue::Float(temperature)).into(),
+        )]
+        .into(),
+        firmware_version: String::new(),
+        received_at_ms: 1_700_000_000_000,
+    };
+    proto::agent_message::Kind::Uplink(proto::Uplink {
+        entries: vec![proto::UplinkEntry {
+            seq,
+            body: Some(proto::uplink_entry::Body::Report(report)),
+        }],
+    })
+}
+
+#[tokio::test]
+async fn a_stale_report_never_overwrites_a_newer_one_even_after_a_controller_restart() {
+    let Setup {
+        client,
+        ns,
+        controller,
+        node,
+        ..
+    } = Setup::new("stale").await;
+    let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
+    devices
+        .create(
+            &PostParams::default(),
+            &Device::new("t1", thermostat(&node, 20.0)),
+        )
+        .await
+        .unwrap();
+    let key = ResourceKey::device(&ns, "t1");
+    let hello = proto::Hello {
+        node: node.clone(),
+        agent_version: "raw".into(),
+        boot_id: "b1".into(),
+        held: vec![],
+        store_id: "store-x".into(),
+    };
+    let temperature = |d: &Device| {
+        d.status
+            .as_ref()
+            .and_then(|s| s.reported.get("temperature"))
+            .and_then(PropertyValue::as_f64)
+    };
+
+    let mut agent = RawAgent::connect(&controller, hello.clone()).await;
+    agent.send(uplink_report(&key, 10, 21.0)).await;
+    agent.until_uplink_ack(10).await;
+    let shown = devices.get("t1").await.unwrap();
+    assert_eq!(temperature(&shown), Some(21.0));
+    let origin = shown.status.unwrap().last_report.unwrap();
+    assert_eq!((origin.store.as_str(), origin.seq), ("store-x", 10));
+
+    // A new controller, which knows the status only from the API server.
+    drop(agent);
+    drop(controller);
+    let controller = start_controller(&client, &ns).await;
+    let mut agent = RawAgent::connect(&controller, hello).await;
+    // seq 5 from the same store is older than what status shows: ignored
+    // (and acknowledged, so the agent does not resend it forever).
+    agent.send(uplink_report(&key, 5, 5.0)).await;
+    agent.until_uplink_ack(5).await;
+    assert_eq!(temperature(&devices.get("t1").await.unwrap()), Some(21.0));
+    // A newer one goes through.
+    agent.send(uplink_report(&key, 11, 22.0)).await;
+    agent.until_uplink_ack(11).await;
+    assert_eq!(temperature(&devices.get("t1").await.unwrap()), Some(22.0));
 }
 
 /// The Events about Device `name` as (reason, note, count), oldest first.

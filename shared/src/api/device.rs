@@ -142,6 +142,30 @@ pub struct DeviceStatus {
     /// A one-word summary for people.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub phase: Option<DevicePhase>,
+    /// Where the report in `reported` came from: the agent's store and the
+    /// report's uplink sequence number there. A report from the same store
+    /// with a sequence number not above it is stale and never overwrites
+    /// `reported` (a resend after a crash, a delayed copy).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_report: Option<ReportOrigin>,
+}
+
+/// Which report a status shows: sequence numbers count within one agent
+/// store, and a rebuilt store has a new id.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct ReportOrigin {
+    /// The agent store's id.
+    pub store: String,
+    /// The report's uplink sequence number in that store.
+    pub seq: u64,
+}
+
+impl ReportOrigin {
+    /// Whether a report from `self` is older than (or the same as) what a
+    /// status showing `shown` already has.
+    pub fn is_stale_against(&self, shown: Option<&ReportOrigin>) -> bool {
+        shown.is_some_and(|s| s.store == self.store && s.seq >= self.seq)
+    }
 }
 
 /// Where a device stands, in one word.

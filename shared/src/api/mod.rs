@@ -5,7 +5,9 @@ pub mod edge_node;
 pub mod policy;
 pub mod schema;
 
-pub use device::{Device, DevicePhase, DeviceSpec, DeviceStatus, FirmwareSpec, Transport};
+pub use device::{
+    Device, DevicePhase, DeviceSpec, DeviceStatus, FirmwareSpec, ReportOrigin, Transport,
+};
 pub use edge_node::{EdgeNode, EdgeNodeSpec, EdgeNodeStatus};
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
