@@ -33,6 +33,10 @@ pub struct RunConfig {
     /// Each device raises a `SelfCheck` event every this many reports (0:
     /// only update results).
     pub event_every: u32,
+    /// The percentage of devices whose readings drift (those with `index %
+    /// 100` below it); the others report the same values until a desired
+    /// state changes them.
+    pub changing_percent: u8,
 }
 
 /// Where a node's agent serves CoAP and its MQTT broker listens, written

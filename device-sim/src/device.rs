@@ -64,6 +64,9 @@ pub struct SimDevice {
     firmware: String,
     install: Option<Install>,
     clock: Duration,
+    // A steady device's readings do not drift: it reports the same values
+    // until a desired state changes them.
+    steady: bool,
 }
 
 impl SimDevice {
@@ -80,7 +83,14 @@ impl SimDevice {
             firmware: FACTORY_FIRMWARE.to_owned(),
             install: None,
             clock: Duration::ZERO,
+            steady: false,
         }
+    }
+
+    /// The same device, with readings that never drift if `steady`.
+    pub fn with_steady(mut self, steady: bool) -> Self {
+        self.steady = steady;
+        self
     }
 
     /// The generation of the last desired state applied (0: none).
@@ -152,7 +162,9 @@ impl SimDevice {
     /// Returns whether a firmware install completed on the way.
     pub fn advance(&mut self, now: Duration) -> bool {
         if let Some(dt) = now.checked_sub(self.clock) {
-            self.model.step(dt, &mut self.rng);
+            if !self.steady {
+                self.model.step(dt, &mut self.rng);
+            }
             self.clock = now;
         }
         match self.install.take() {
@@ -282,6 +294,29 @@ mod tests {
         assert_eq!(
             device.report().properties["setpoint"],
             PropertyValue::Float(18.0)
+        );
+    }
+
+    #[test]
+    fn a_steady_device_reports_the_same_until_told_otherwise() {
+        let mut d = SimDevice::new(ModelKind::Thermostat, 1, 0).with_steady(true);
+        d.advance(secs(1.0));
+        let first = d.report();
+        d.advance(secs(600.0));
+        assert_eq!(d.report(), first);
+        d.apply(
+            &desired(1, &[("setpoint", PropertyValue::Float(25.0))]),
+            secs(601.0),
+        );
+        assert_ne!(d.report(), first);
+        let mut drifting = SimDevice::new(ModelKind::Thermostat, 1, 0);
+        drifting.advance(secs(1.0));
+        let before = drifting.report();
+        drifting.advance(secs(600.0));
+        assert_ne!(
+            drifting.report(),
+            before,
+            "a device that is not steady drifts"
         );
     }
 

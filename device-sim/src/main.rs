@@ -129,6 +129,11 @@ struct RunArgs {
     /// FirmwareInstalled).
     #[arg(long, env = "EDGEFLEET_SIM_EVENT_EVERY", default_value_t = 0)]
     event_every: u32,
+    /// The percentage of devices whose readings drift over time (devices
+    /// 0..P of every hundred); the others are steady and report the same
+    /// values until a desired state changes them.
+    #[arg(long, env = "EDGEFLEET_SIM_CHANGING_PERCENT", default_value_t = 100, value_parser = clap::value_parser!(u8).range(0..=100))]
+    changing_percent: u8,
     /// CoAP ACK_TIMEOUT: the shortest wait before a retransmission.
     #[arg(long, env = "EDGEFLEET_SIM_COAP_ACK_TIMEOUT", default_value = "2s", value_parser = parse_duration)]
     coap_ack_timeout: Duration,
@@ -174,6 +179,7 @@ async fn simulate(args: RunArgs) -> anyhow::Result<()> {
             ..RetransmitParams::default()
         },
         event_every: args.event_every,
+        changing_percent: args.changing_percent,
     };
     let shutdown = shutdown_signal(args.duration)?;
     let summary = edgefleet_sim::run(config, shutdown).await?;

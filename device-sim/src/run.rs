@@ -246,7 +246,8 @@ impl NodeContext<'_> {
             };
             let device = DeviceTask {
                 id: format!("{}/{}", key.namespace, key.name),
-                device: SimDevice::new(slot.model, self.config.seed, slot.index),
+                device: SimDevice::new(slot.model, self.config.seed, slot.index)
+                    .with_steady(slot.index % 100 >= usize::from(self.config.changing_percent)),
                 net_rng: device_rng(self.config.seed, slot.index, Purpose::Network),
                 inbox,
                 reporter,

@@ -8,7 +8,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use coap_lite::{CoapOption, MessageClass, MessageType, Packet, ResponseType};
-use edgefleet_shared::codec::{self, DesiredState, DeviceReport};
+use edgefleet_shared::codec::{self, DesiredState, DeviceEvent, DeviceReport, EventAck};
 use edgefleet_shared::{PropertyValue, ResourceKey, topics};
 use edgefleet_sim::fleet::FleetSpec;
 use edgefleet_sim::model::ModelKind;
@@ -85,7 +85,7 @@ async fn start_coap_responder() -> (
             let (len, peer) = socket.recv_from(&mut buf).await.unwrap();
             let request = Packet::from_bytes(&buf[..len]).expect("the simulator sends CoAP");
             assert_eq!(request.header.get_type(), MessageType::Confirmable);
-            let path = request
+            let path: Vec<String> = request
                 .get_option(CoapOption::UriPath)
                 .map(|segments| {
                     segments
@@ -94,10 +94,16 @@ async fn start_coap_responder() -> (
                         .collect()
                 })
                 .unwrap_or_default();
-            let report = codec::decode(&request.payload).expect("a CBOR DeviceReport");
-            let _ = tx.send((path, report));
-
             let mut ack = Packet::new();
+            if path.last().is_some_and(|p| p == "events") {
+                // Events are confirmed like the agent does; only reports are
+                // handed to the test.
+                let event: DeviceEvent = codec::decode(&request.payload).expect("a CBOR event");
+                ack.payload = codec::encode(&EventAck { id: event.id }).unwrap();
+            } else {
+                let report = codec::decode(&request.payload).expect("a CBOR DeviceReport");
+                let _ = tx.send((path, report));
+            }
             ack.header.set_type(MessageType::Acknowledgement);
             ack.header.code = MessageClass::Response(ResponseType::Changed);
             ack.header.message_id = request.header.message_id;
@@ -204,6 +210,7 @@ fn config(
         final_state: None,
         retransmit: RetransmitParams::default(),
         event_every: 0,
+        changing_percent: 100,
     }
 }
 

@@ -83,9 +83,19 @@ pub struct LatestReport {
     pub seq: u64,
     /// When the agent received it (Unix milliseconds).
     pub received_at_ms: i64,
+    /// When this content joined the outbox (Unix milliseconds); the same
+    /// content heard again later only moves `received_at_ms`.
+    #[serde(default)]
+    pub queued_at_ms: i64,
     /// What the device said.
     pub report: DeviceReport,
 }
+
+/// While the cloud is connected, an unchanged report goes up again after
+/// this long, so the cloud's `lastSeen` keeps moving for a steady device.
+/// While it is not, unchanged reports never queue: a resync carries only
+/// what changed.
+pub const UNCHANGED_REPORT_KEEPALIVE_MS: i64 = 60_000;
 
 /// One outbox entry, as stored: reports are compacted per device, so the
 /// entry only names the device and the report itself sits in `reported`;
@@ -196,6 +206,8 @@ pub struct Store {
     events: Arc<std::sync::Mutex<u64>>,
     max_events: u64,
     store_id: String,
+    // Whether a sync session is open (see UNCHANGED_REPORT_KEEPALIVE_MS).
+    link_up: Arc<std::sync::atomic::AtomicBool>,
     // Woken whenever an entry joins the outbox, so the uplink needs no polling.
     outbox_changed: Arc<Notify>,
     // Every durable change of desired state, for the device-side publishers.
@@ -263,6 +275,7 @@ impl Store {
             events: Arc::default(),
             max_events: DEFAULT_MAX_EVENTS,
             store_id: String::new(),
+            link_up: Arc::default(),
             outbox_changed: Arc::new(Notify::new()),
             desired_changes: broadcast::Sender::new(DESIRED_CHANGES_BUFFER),
             flusher: GroupFlush::start(db.clone()),
@@ -396,9 +409,19 @@ impl Store {
         self.desired_changes.subscribe()
     }
 
-    /// Records a device's report durably and queues it for the cloud.
+    /// Tells the store whether a sync session is open.
+    pub fn set_link_up(&self, up: bool) {
+        self.link_up.store(up, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Records a device's report durably and queues it for the cloud;
+    /// returns the sequence number its content goes up under.
+    ///
     /// Reports are compacted: a newer report of the same device replaces the
-    /// older one in the outbox, and takes a new sequence number.
+    /// older one in the outbox, and takes a new sequence number. A report
+    /// with the same content as the device's latest is not queued again
+    /// (only when it was heard is kept), except as a keepalive while the
+    /// cloud is connected (see [`UNCHANGED_REPORT_KEEPALIVE_MS`]).
     pub async fn record_report(
         &self,
         device: &ResourceKey,
@@ -409,27 +432,50 @@ impl Store {
         let entry = encode(&OutboxEntry::Report {
             device: key.clone(),
         });
+        let link_up = self.link_up.load(std::sync::atomic::Ordering::Relaxed);
         let result =
             (&self.reported, &self.outbox, &self.meta).transaction(|(reported, outbox, meta)| {
+                let previous = match reported.get(key.as_bytes())? {
+                    Some(bytes) => Some(
+                        decode::<LatestReport>(key.as_bytes(), &bytes)
+                            .map_err(ConflictableTransactionError::Abort)?,
+                    ),
+                    None => None,
+                };
+                if let Some(previous) = previous.as_ref().filter(|p| p.report == report) {
+                    let keepalive_due = link_up
+                        && received_at_ms - previous.queued_at_ms >= UNCHANGED_REPORT_KEEPALIVE_MS;
+                    if !keepalive_due {
+                        let heard = LatestReport {
+                            received_at_ms,
+                            ..previous.clone()
+                        };
+                        reported.insert(key.as_bytes(), encode(&heard))?;
+                        return Ok((previous.seq, false));
+                    }
+                }
                 let seq = meta.get(META_NEXT_SEQ)?.map(|v| u64_from(&v)).unwrap_or(1);
                 meta.insert(META_NEXT_SEQ, &(seq + 1).to_be_bytes())?;
-                if let Some(previous) = reported.get(key.as_bytes())? {
-                    let previous: LatestReport = decode(key.as_bytes(), &previous)
-                        .map_err(ConflictableTransactionError::Abort)?;
+                if let Some(previous) = &previous {
                     outbox.remove(&previous.seq.to_be_bytes())?;
                 }
                 let latest = LatestReport {
                     seq,
                     received_at_ms,
+                    queued_at_ms: received_at_ms,
                     report: report.clone(),
                 };
                 reported.insert(key.as_bytes(), encode(&latest))?;
                 outbox.insert(&seq.to_be_bytes(), entry.clone())?;
-                Ok(seq)
+                Ok((seq, true))
             });
-        let seq = result.map_err(from_transaction)?;
+        let (seq, queued) = result.map_err(from_transaction)?;
+        // Also for unchanged content: it may be another caller's write that
+        // is not on disk yet, and the device is about to be told it is.
         self.flusher.flush().await?;
-        self.outbox_changed.notify_one();
+        if queued {
+            self.outbox_changed.notify_one();
+        }
         Ok(seq)
     }
 

@@ -109,6 +109,7 @@ pub async fn session(settings: &SyncSettings, store: &Store) -> Result<(), SyncE
     send(&tx, agent_message::Kind::Hello(hello)).await?;
     let mut inbound = client.stream(ReceiverStream::new(rx)).await?.into_inner();
     tracing::info!(cloud = %settings.cloud, node = %settings.node, "sync stream open");
+    let _link = LinkUp::new(store);
 
     // The highest outbox seq sent in this session; a new session resends
     // whatever is still unacknowledged.
@@ -138,6 +139,22 @@ pub async fn session(settings: &SyncSettings, store: &Store) -> Result<(), SyncE
                 send(&tx, agent_message::Kind::Heartbeat(beat)).await?;
             }
         }
+    }
+}
+
+/// Marks the store's link up while a session is open.
+struct LinkUp(Store);
+
+impl LinkUp {
+    fn new(store: &Store) -> Self {
+        store.set_link_up(true);
+        LinkUp(store.clone())
+    }
+}
+
+impl Drop for LinkUp {
+    fn drop(&mut self) {
+        self.0.set_link_up(false);
     }
 }
 

@@ -342,3 +342,56 @@ async fn at_the_bound_the_oldest_event_is_dropped_counted_and_reported_once() {
     assert_eq!(store.events_queued(), 0);
     assert_eq!(store.events_dropped_total().unwrap(), 2);
 }
+
+#[tokio::test]
+async fn an_unchanged_report_queues_again_only_as_a_keepalive_while_connected() {
+    use edgefleet_agent::store::UNCHANGED_REPORT_KEEPALIVE_MS as KEEPALIVE;
+    let tmp = tempfile::tempdir().unwrap();
+    let store = open(&tmp.path().join("store"));
+    let a = ResourceKey::device("plant", "a");
+    let first = store
+        .record_report(&a, report(1, 20.0), 1_000)
+        .await
+        .unwrap();
+    store.acknowledge_uplink(first).await.unwrap();
+
+    // Offline: the same content, however late, queues nothing; it is heard.
+    let later = 1_000 + 10 * KEEPALIVE;
+    assert_eq!(
+        store
+            .record_report(&a, report(1, 20.0), later)
+            .await
+            .unwrap(),
+        first
+    );
+    assert_eq!(store.outbox_depth(), 0);
+    let latest = store.latest_report(&a).unwrap().unwrap();
+    assert_eq!((latest.received_at_ms, latest.queued_at_ms), (later, 1_000));
+
+    // Connected: the same content queues again once the keepalive is due.
+    store.set_link_up(true);
+    let soon = 1_000 + KEEPALIVE - 1;
+    assert_eq!(
+        store
+            .record_report(&a, report(1, 20.0), soon)
+            .await
+            .unwrap(),
+        first
+    );
+    assert_eq!(store.outbox_depth(), 0, "not due yet");
+    let due = store
+        .record_report(&a, report(1, 20.0), 1_000 + KEEPALIVE)
+        .await
+        .unwrap();
+    assert!(due > first);
+    assert_eq!(store.outbox_depth(), 1);
+
+    // A change always queues, connected or not.
+    store.set_link_up(false);
+    let changed = store
+        .record_report(&a, report(1, 20.5), 1_000 + KEEPALIVE + 1)
+        .await
+        .unwrap();
+    assert!(changed > due);
+    assert_eq!(store.outbox_depth(), 1, "compacted to the latest");
+}
