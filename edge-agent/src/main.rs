@@ -88,6 +88,18 @@ async fn main() -> anyhow::Result<()> {
     );
     let devices = Gauge::<i64>::default();
     registry.register("devices", "Devices the agent holds", devices.clone());
+    let last_seq = Gauge::<i64>::default();
+    registry.register(
+        "uplink_last_seq",
+        "The highest uplink sequence number handed out (the cloud has everything up to it once the outbox is empty)",
+        last_seq.clone(),
+    );
+    let oldest_pending = Gauge::<i64>::default();
+    registry.register(
+        "outbox_oldest_seq",
+        "The sequence number of the oldest uplink entry not yet acknowledged (0: none)",
+        oldest_pending.clone(),
+    );
     let events_queued = Gauge::<i64>::default();
     registry.register(
         "outbox_events",
@@ -140,12 +152,17 @@ async fn main() -> anyhow::Result<()> {
     let gauges = {
         let store = store.clone();
         async move {
-            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            let mut tick = tokio::time::interval(Duration::from_millis(500));
             loop {
                 tick.tick().await;
                 outbox_depth.set(store.outbox_depth() as i64);
                 devices.set(store.held().map(|h| h.len() as i64).unwrap_or(-1));
                 events_queued.set(store.events_queued() as i64);
+                last_seq.set(store.last_seq().map(|n| n as i64).unwrap_or(-1));
+                oldest_pending.set(match store.oldest_pending_seq() {
+                    Ok(seq) => seq.map_or(0, |n| n as i64),
+                    Err(_) => -1,
+                });
                 events_dropped.set(store.events_dropped_total().map(|n| n as i64).unwrap_or(-1));
             }
         }

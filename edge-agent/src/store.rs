@@ -93,8 +93,9 @@ pub struct LatestReport {
 
 /// While the cloud is connected, an unchanged report goes up again after
 /// this long, so the cloud's `lastSeen` keeps moving for a steady device.
-/// While it is not, unchanged reports never queue: a resync carries only
-/// what changed.
+/// While it is not, unchanged reports never queue, and the clock restarts
+/// when the link comes back: a resync carries only what changed (the
+/// reconnect itself tells the cloud the node's devices are reachable).
 pub const UNCHANGED_REPORT_KEEPALIVE_MS: i64 = 60_000;
 
 /// One outbox entry, as stored: reports are compacted per device, so the
@@ -206,8 +207,9 @@ pub struct Store {
     events: Arc<std::sync::Mutex<u64>>,
     max_events: u64,
     store_id: String,
-    // Whether a sync session is open (see UNCHANGED_REPORT_KEEPALIVE_MS).
-    link_up: Arc<std::sync::atomic::AtomicBool>,
+    // Since when a sync session is open (Unix ms), or 0 while none is (see
+    // UNCHANGED_REPORT_KEEPALIVE_MS).
+    link_up_since: Arc<std::sync::atomic::AtomicI64>,
     // Woken whenever an entry joins the outbox, so the uplink needs no polling.
     outbox_changed: Arc<Notify>,
     // Every durable change of desired state, for the device-side publishers.
@@ -275,7 +277,7 @@ impl Store {
             events: Arc::default(),
             max_events: DEFAULT_MAX_EVENTS,
             store_id: String::new(),
-            link_up: Arc::default(),
+            link_up_since: Arc::default(),
             outbox_changed: Arc::new(Notify::new()),
             desired_changes: broadcast::Sender::new(DESIRED_CHANGES_BUFFER),
             flusher: GroupFlush::start(db.clone()),
@@ -409,9 +411,13 @@ impl Store {
         self.desired_changes.subscribe()
     }
 
-    /// Tells the store whether a sync session is open.
-    pub fn set_link_up(&self, up: bool) {
-        self.link_up.store(up, std::sync::atomic::Ordering::Relaxed);
+    /// Tells the store since when a sync session is open (Unix ms), or
+    /// that none is (`None`).
+    pub fn set_link(&self, up_since_ms: Option<i64>) {
+        self.link_up_since.store(
+            up_since_ms.unwrap_or(0),
+            std::sync::atomic::Ordering::Relaxed,
+        );
     }
 
     /// Records a device's report durably and queues it for the cloud;
@@ -432,7 +438,9 @@ impl Store {
         let entry = encode(&OutboxEntry::Report {
             device: key.clone(),
         });
-        let link_up = self.link_up.load(std::sync::atomic::Ordering::Relaxed);
+        let link_up_since = self
+            .link_up_since
+            .load(std::sync::atomic::Ordering::Relaxed);
         let result =
             (&self.reported, &self.outbox, &self.meta).transaction(|(reported, outbox, meta)| {
                 let previous = match reported.get(key.as_bytes())? {
@@ -443,8 +451,9 @@ impl Store {
                     None => None,
                 };
                 if let Some(previous) = previous.as_ref().filter(|p| p.report == report) {
-                    let keepalive_due = link_up
-                        && received_at_ms - previous.queued_at_ms >= UNCHANGED_REPORT_KEEPALIVE_MS;
+                    let keepalive_due = link_up_since > 0
+                        && received_at_ms - previous.queued_at_ms.max(link_up_since)
+                            >= UNCHANGED_REPORT_KEEPALIVE_MS;
                     if !keepalive_due {
                         let heard = LatestReport {
                             received_at_ms,
@@ -678,6 +687,19 @@ impl Store {
         };
         self.flusher.flush().await?;
         Ok(removed)
+    }
+
+    /// The highest uplink sequence number handed out so far (0: none).
+    pub fn last_seq(&self) -> Result<u64, StoreError> {
+        Ok(self
+            .meta
+            .get(META_NEXT_SEQ)?
+            .map_or(0, |v| u64_from(&v).saturating_sub(1)))
+    }
+
+    /// The sequence number of the oldest entry waiting in the outbox.
+    pub fn oldest_pending_seq(&self) -> Result<Option<u64>, StoreError> {
+        Ok(self.outbox.first()?.map(|(k, _)| u64_from(&k)))
     }
 
     /// Entries waiting in the outbox.

@@ -147,14 +147,14 @@ struct LinkUp(Store);
 
 impl LinkUp {
     fn new(store: &Store) -> Self {
-        store.set_link_up(true);
+        store.set_link(Some(edgefleet_shared::now_unix_ms()));
         LinkUp(store.clone())
     }
 }
 
 impl Drop for LinkUp {
     fn drop(&mut self) {
-        self.0.set_link_up(false);
+        self.0.set_link(None);
     }
 }
 

@@ -368,9 +368,11 @@ async fn an_unchanged_report_queues_again_only_as_a_keepalive_while_connected() 
     let latest = store.latest_report(&a).unwrap().unwrap();
     assert_eq!((latest.received_at_ms, latest.queued_at_ms), (later, 1_000));
 
-    // Connected: the same content queues again once the keepalive is due.
-    store.set_link_up(true);
-    let soon = 1_000 + KEEPALIVE - 1;
+    // Connected again: the keepalive clock starts at the reconnect, so the
+    // outage does not make every steady device due at once.
+    let up = later + 1;
+    store.set_link(Some(up));
+    let soon = up + KEEPALIVE - 1;
     assert_eq!(
         store
             .record_report(&a, report(1, 20.0), soon)
@@ -380,16 +382,25 @@ async fn an_unchanged_report_queues_again_only_as_a_keepalive_while_connected() 
     );
     assert_eq!(store.outbox_depth(), 0, "not due yet");
     let due = store
-        .record_report(&a, report(1, 20.0), 1_000 + KEEPALIVE)
+        .record_report(&a, report(1, 20.0), up + KEEPALIVE)
         .await
         .unwrap();
     assert!(due > first);
     assert_eq!(store.outbox_depth(), 1);
+    // The next keepalive is a full interval after that one.
+    let next = up + 2 * KEEPALIVE - 1;
+    assert_eq!(
+        store
+            .record_report(&a, report(1, 20.0), next)
+            .await
+            .unwrap(),
+        due
+    );
 
     // A change always queues, connected or not.
-    store.set_link_up(false);
+    store.set_link(None);
     let changed = store
-        .record_report(&a, report(1, 20.5), 1_000 + KEEPALIVE + 1)
+        .record_report(&a, report(1, 20.5), next + 1)
         .await
         .unwrap();
     assert!(changed > due);
