@@ -14,6 +14,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod bench;
 pub mod edge_events;
 pub mod final_state;
 pub mod fleet_view;

@@ -240,6 +240,28 @@ impl Stack {
         .await
     }
 
+    /// Where agent `index` keeps its data (its store is `store/` inside).
+    pub fn agent_data_dir(&self, index: usize) -> PathBuf {
+        self.spec.dir.join(&self.agents[index].node)
+    }
+
+    /// Stops agent `index`, deletes its data and starts it again on an
+    /// empty store (a new edge box, or a store lost to the disk); returns
+    /// once it answers `/healthz`.
+    pub async fn restart_agent_with_empty_store(&mut self, index: usize) -> anyhow::Result<()> {
+        let dir = self.agent_data_dir(index);
+        let agent = &mut self.agents[index];
+        agent.process.stop(Duration::from_secs(10));
+        std::fs::remove_dir_all(&dir)?;
+        agent.process = start_agent(&self.spec.dir, &agent.node, &agent.args, 1000)?;
+        wait_http(
+            agent.metrics,
+            "/healthz",
+            &format!("the agent of {} on an empty store", agent.node),
+        )
+        .await
+    }
+
     /// Kills the controller with SIGKILL, runs `meanwhile` while it is
     /// down, then starts it again with the same flags; returns once it is
     /// ready.

@@ -20,9 +20,9 @@ use anyhow::{Context, bail};
 use clap::Parser;
 use edgefleet_shared::api::Device;
 use edgefleet_shared::now_unix_ms;
+use edgefleet_tests::bench::{Report, wait_all_applied};
 use edgefleet_tests::control_plane;
 use edgefleet_tests::final_state::{matches_final, read_final_state};
-use edgefleet_tests::fleet_view::applied_current_generation;
 use edgefleet_tests::process::{http_get, metric};
 use edgefleet_tests::stack::{Stack, StackSpec};
 use futures::StreamExt;
@@ -103,7 +103,7 @@ async fn main() -> anyhow::Result<()> {
         "--report-interval=10s".into(),
         format!("--applied-log={}", applied_log.display()),
     ])?;
-    wait_all(&devices, cli.devices, "every Device Applied").await?;
+    wait_all_applied(&devices, cli.devices, "every Device Applied", PATIENCE).await?;
     out.line(&format!(
         "cold start: {} Devices created and Applied in {:.1} s",
         cli.devices,
@@ -119,10 +119,11 @@ async fn main() -> anyhow::Result<()> {
         let wanted: BTreeMap<String, i64> =
             sent.iter().map(|(n, (g, _))| (n.clone(), *g)).collect();
         let applied_at = wait_applied_log(&applied_log, NAMESPACE, &wanted).await?;
-        wait_all(
+        wait_all_applied(
             &devices,
             cli.devices,
             "status shows the new generation applied",
+            PATIENCE,
         )
         .await?;
         let seen = seen.lock().expect("seen");
@@ -242,19 +243,6 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-#[derive(Default)]
-struct Report {
-    text: String,
-}
-
-impl Report {
-    fn line(&mut self, line: &str) {
-        println!("{line}");
-        self.text.push_str(line);
-        self.text.push('\n');
-    }
-}
-
 /// Records when the watch first saw each generation and applied generation.
 async fn watch_devices(api: Api<Device>, seen: Arc<Mutex<Seen>>) {
     let stream = watcher(api, watcher::Config::default())
@@ -341,29 +329,6 @@ async fn wait_applied_log(
             );
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
-
-/// Polls until `count` Devices all applied their current generation.
-async fn wait_all(devices: &Api<Device>, count: usize, what: &str) -> anyhow::Result<()> {
-    let deadline = Instant::now() + PATIENCE;
-    loop {
-        let list = devices.list(&Default::default()).await?;
-        let ready = list
-            .items
-            .iter()
-            .filter(|d| applied_current_generation(d))
-            .count();
-        if list.items.len() == count && ready == count {
-            return Ok(());
-        }
-        if Instant::now() > deadline {
-            bail!(
-                "{what}: only {ready} of {count} after {} s",
-                PATIENCE.as_secs()
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(250)).await;
     }
 }
 

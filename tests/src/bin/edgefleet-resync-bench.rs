@@ -1,0 +1,284 @@
+//! `edgefleet-resync-bench` (`make bench-resync`): one agent with 1,000
+//! devices is cut off from the cloud for "30 minutes" of traffic (compressed
+//! in time), then reconnected. It prints (and asserts nothing; see
+//! docs/benchmarks.md):
+//!
+//! - the agent's memory (RSS) and store size on disk while offline, next to
+//!   the same figures before the cut;
+//! - the time from the link coming back to the agent's reconnect, and from
+//!   the reconnect to full convergence: every uplink entry queued while
+//!   offline acknowledged by the cloud (durable in the API server) and every
+//!   Device at its latest generation applied;
+//! - the bytes on the sync connection during that resync, against a full
+//!   resend measured in the same run: the same agent restarted on an empty
+//!   store, which must be sent every Device and send every device's report.
+//!
+//! Time is compressed: devices report every `--report-seconds` (1 s) instead
+//! of every 10 s, so `--offline-seconds` (180) of it carry as many reports as
+//! 30 minutes do. `--changed-percent` (10) of the devices drift and have
+//! their spec changed while the link is down; the others are steady.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::Parser;
+use edgefleet_shared::api::Device;
+use edgefleet_tests::bench::{Report, wait_all_applied};
+use edgefleet_tests::control_plane;
+use edgefleet_tests::fault::ProxyStats;
+use edgefleet_tests::process::{http_get, metric};
+use edgefleet_tests::stack::{Stack, StackSpec};
+use kube::Api;
+use kube::api::{Patch, PatchParams};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "edgefleet-resync-bench",
+    about = "Measure an edge site's resync after an outage"
+)]
+struct Cli {
+    /// Simulated devices, all on one agent.
+    #[arg(long, default_value_t = 1000)]
+    devices: usize,
+    /// How often each device reports (10 s in the scenario, compressed).
+    #[arg(long, default_value_t = 1)]
+    report_seconds: u64,
+    /// How long the agent is cut off.
+    #[arg(long, default_value_t = 180)]
+    offline_seconds: u64,
+    /// Devices (percent) that drift and get a new spec while offline.
+    #[arg(long, default_value_t = 10)]
+    changed_percent: u8,
+    /// The cloud's status write budget (writes per second).
+    #[arg(long, default_value_t = 50)]
+    status_writes_per_second: u32,
+    /// Where logs, stores and results go.
+    #[arg(long, default_value = "/tmp/edgefleet-resync-bench")]
+    dir: PathBuf,
+}
+
+const NAMESPACE: &str = "resync-bench";
+const NODE: &str = "edge-1";
+const PATIENCE: Duration = Duration::from_secs(300);
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let mut out = Report::default();
+    out.line(&format!(
+        "edgefleet-resync-bench: {} devices on 1 agent reporting every {} s, {} s offline ({} reports per device), {}% changed, status budget {}/s, {} CPUs",
+        cli.devices,
+        cli.report_seconds,
+        cli.offline_seconds,
+        cli.offline_seconds / cli.report_seconds.max(1),
+        cli.changed_percent,
+        cli.status_writes_per_second,
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    ));
+    let kubeconfig =
+        tokio::task::spawn_blocking(|| control_plane().kubeconfig().to_owned()).await?;
+    let client = control_plane().client().await;
+    if cli.dir.exists() {
+        std::fs::remove_dir_all(&cli.dir)?;
+    }
+    std::fs::create_dir_all(&cli.dir)?;
+    let spec = StackSpec {
+        nodes: vec![NODE.to_owned()],
+        namespace: NAMESPACE.into(),
+        devices: cli.devices,
+        mqtt_every: 0,
+        status_writes_per_second: cli.status_writes_per_second,
+        dir: cli.dir.clone(),
+        namespaced_controller: true,
+        cloud_args: vec![],
+        agent_args: vec![],
+        sync_through_proxy: true,
+    };
+    let mut stack = Stack::start(spec, &kubeconfig).await?;
+    let devices: Api<Device> = Api::namespaced(client.clone(), NAMESPACE);
+    stack.apply_devices(&client).await?;
+    stack.start_sim(&[
+        format!("--report-interval={}s", cli.report_seconds),
+        format!("--changing-percent={}", cli.changed_percent),
+    ])?;
+    wait_all_applied(&devices, cli.devices, "cold start", PATIENCE).await?;
+    // Let the first reports and their status writes settle.
+    wait_outbox_acked(&stack, 0, "the first reports").await?;
+    let (rss_online, disk_online) = agent_footprint(&stack);
+
+    // Cut off. Meanwhile the changing devices drift and get a new spec.
+    let proxy = stack.agents[0].proxy.as_ref().context("no proxy")?;
+    proxy.cut();
+    let cut_at = Instant::now();
+    let changed: Vec<String> = (0..cli.devices)
+        .filter(|i| i % 100 < usize::from(cli.changed_percent))
+        .map(|i| format!("dev-{i:05}"))
+        .collect();
+    let patch = serde_json::json!({ "spec": { "desired": { "setpoint": 23.5 } } });
+    for name in &changed {
+        devices
+            .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .with_context(|| format!("patch {name}"))?;
+    }
+    let (mut rss_max, mut disk_max) = (0u64, 0u64);
+    while cut_at.elapsed() < Duration::from_secs(cli.offline_seconds) {
+        let (rss, disk) = agent_footprint(&stack);
+        rss_max = rss_max.max(rss);
+        disk_max = disk_max.max(disk);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+    let depth = agent_metric(&stack, "edgefleet_agent_outbox_depth").await?;
+    let queued_up_to = agent_metric(&stack, "edgefleet_agent_uplink_last_seq").await? as u64;
+
+    // Back: until everything queued offline is durable in the API server
+    // and every Device applied its latest spec.
+    let before = stack.agents[0].proxy.as_ref().context("no proxy")?.stats();
+    stack.agents[0].proxy.as_ref().context("no proxy")?.heal();
+    let healed_at = Instant::now();
+    let reconnected_at = wait_reconnect(&stack, before).await?;
+    wait_outbox_acked(&stack, queued_up_to, "the offline backlog").await?;
+    wait_all_applied(&devices, cli.devices, "after reconnect", PATIENCE).await?;
+    let converged_at = Instant::now();
+    let resync = bytes_since(&stack, before);
+
+    // The same agent on an empty store: everything is sent again.
+    stack.restart_agent_with_empty_store(0).await?;
+    let before_full = stack.agents[0].proxy.as_ref().context("no proxy")?.stats();
+    let full_started = Instant::now();
+    wait_agent_holds(&stack, cli.devices).await?;
+    // Every device's next report is new to the empty store.
+    tokio::time::sleep(Duration::from_secs(cli.report_seconds + 1)).await;
+    let last = agent_metric(&stack, "edgefleet_agent_uplink_last_seq").await? as u64;
+    wait_outbox_acked(&stack, last, "the full resend").await?;
+    let full = bytes_since(&stack, before_full);
+    let full_took = full_started.elapsed();
+    stack.shutdown();
+
+    let mib = |b: u64| format!("{:.1} MiB", b as f64 / 1048576.0);
+    let kib = |b: u64| format!("{:.1} KiB", b as f64 / 1024.0);
+    out.line(&format!(
+        "offline: {} Devices changed in the cloud, {} devices drifting; outbox at reconnect {depth:.0} entries",
+        changed.len(),
+        changed.len()
+    ));
+    out.line(&format!(
+        "agent while offline: RSS max {} (online {}), store on disk max {} (online {})",
+        mib(rss_max),
+        mib(rss_online),
+        mib(disk_max),
+        mib(disk_online)
+    ));
+    out.line(&format!(
+        "link back -> agent reconnected: {:.1} s (its retry backoff)",
+        (reconnected_at - healed_at).as_secs_f64()
+    ));
+    out.line(&format!(
+        "reconnect -> converged: {:.1} s (backlog durable in the API server, every Device applied its latest spec)",
+        (converged_at - reconnected_at).as_secs_f64()
+    ));
+    out.line(&format!(
+        "resync bytes: {} up, {} down, {} total = {:.1}% of a full resend ({} up, {} down, {} total, {:.1} s)",
+        kib(resync.bytes_up),
+        kib(resync.bytes_down),
+        kib(resync.total()),
+        100.0 * resync.total() as f64 / full.total().max(1) as f64,
+        kib(full.bytes_up),
+        kib(full.bytes_down),
+        kib(full.total()),
+        full_took.as_secs_f64()
+    ));
+    std::fs::write(cli.dir.join("results.txt"), &out.text)?;
+    Ok(())
+}
+
+/// Bytes through the sync proxy.
+struct Bytes {
+    bytes_up: u64,
+    bytes_down: u64,
+}
+
+impl Bytes {
+    fn total(&self) -> u64 {
+        self.bytes_up + self.bytes_down
+    }
+}
+
+fn bytes_since(stack: &Stack, before: ProxyStats) -> Bytes {
+    let now = stack.agents[0].proxy.as_ref().expect("proxy").stats();
+    Bytes {
+        bytes_up: now.bytes_up - before.bytes_up,
+        bytes_down: now.bytes_down - before.bytes_down,
+    }
+}
+
+/// The agent's RSS and its store's size on disk, in bytes.
+fn agent_footprint(stack: &Stack) -> (u64, u64) {
+    let (_, agents) = stack.memory();
+    let rss = agents.first().copied().flatten().unwrap_or_default();
+    (rss, dir_size(&stack.agent_data_dir(0)))
+}
+
+fn dir_size(dir: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|e| match e.metadata() {
+            Ok(m) if m.is_dir() => dir_size(&e.path()),
+            Ok(m) => m.len(),
+            Err(_) => 0,
+        })
+        .sum()
+}
+
+async fn agent_metric(stack: &Stack, sample: &str) -> anyhow::Result<f64> {
+    let (_, body) = http_get(stack.agents[0].metrics, "/metrics").await?;
+    Ok(metric(&body, sample))
+}
+
+/// Waits until the proxy forwards a new connection to the cloud.
+async fn wait_reconnect(stack: &Stack, before: ProxyStats) -> anyhow::Result<Instant> {
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let now = stack.agents[0].proxy.as_ref().expect("proxy").stats();
+        if now.forwarded_connections > before.forwarded_connections {
+            return Ok(Instant::now());
+        }
+        if Instant::now() > deadline {
+            bail!("the agent did not reconnect");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Waits until every outbox entry up to `seq` is acknowledged (the oldest
+/// one left, if any, is newer).
+async fn wait_outbox_acked(stack: &Stack, seq: u64, what: &str) -> anyhow::Result<()> {
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let oldest = agent_metric(stack, "edgefleet_agent_outbox_oldest_seq").await? as u64;
+        if oldest == 0 || oldest > seq {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("{what}: entry {oldest} still waits for the cloud");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn wait_agent_holds(stack: &Stack, count: usize) -> anyhow::Result<()> {
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        if agent_metric(stack, "edgefleet_agent_devices").await.ok() == Some(count as f64) {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("the agent never held all {count} devices again");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
