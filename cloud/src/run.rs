@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use edgefleet_shared::ResourceKey;
 use edgefleet_shared::api::{Device, EdgeNode};
+use edgefleet_shared::heartbeat::Heartbeat;
 use edgefleet_shared::proto::sync_server::SyncServer;
 use futures::StreamExt;
 use kube::runtime::reflector;
@@ -43,6 +44,9 @@ pub struct Settings {
     /// How long a node may be without an agent before it and its Devices
     /// are marked unreachable.
     pub node_grace_period: std::time::Duration,
+    /// Heartbeats on the sync streams: how often they go out, and (3 of
+    /// them) how long an agent may be silent before its session ends.
+    pub heartbeat: Heartbeat,
 }
 
 /// A running controller.
@@ -122,6 +126,7 @@ impl Controller {
 
         let sync_addr = settings.sync_listener.local_addr()?;
         let sync_metrics = settings.sync_metrics;
+        let beat = settings.heartbeat;
         let service = SyncService::new(
             client,
             index,
@@ -129,11 +134,19 @@ impl Controller {
             agents,
             events,
             Arc::clone(&sync_metrics),
-        );
-        let incoming = tonic::transport::server::TcpIncoming::from(settings.sync_listener);
+        )
+        .with_heartbeat(beat);
+        // Dead connections close below the heartbeat rule too: HTTP/2 PINGs
+        // and TCP keepalive (set on the incoming connections: tonic ignores
+        // the builder's TCP settings with serve_with_incoming).
+        let incoming = tonic::transport::server::TcpIncoming::from(settings.sync_listener)
+            .with_nodelay(Some(true))
+            .with_keepalive(Some(beat.tcp_keepalive()))
+            .with_keepalive_interval(Some(beat.interval));
         tasks.spawn(async move {
             let served = tonic::transport::Server::builder()
-                .http2_keepalive_interval(Some(std::time::Duration::from_secs(20)))
+                .http2_keepalive_interval(Some(beat.keepalive_interval()))
+                .http2_keepalive_timeout(Some(beat.keepalive_timeout()))
                 .add_service(SyncServer::new(service))
                 .serve_with_incoming(incoming)
                 .await;
