@@ -14,6 +14,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod fault;
 pub mod final_state;
 pub mod fleet_view;
 pub mod process;
