@@ -60,6 +60,11 @@ struct RunArgs {
     /// are marked unreachable (seconds).
     #[arg(long, env = "EDGEFLEET_NODE_GRACE_SECONDS", default_value_t = 40)]
     node_grace_seconds: u64,
+    /// Seconds between heartbeats on the sync streams; an agent silent for
+    /// 3 of them has its session ended. Agents should use the same value
+    /// (`--cloud-heartbeat-seconds`).
+    #[arg(long, env = "EDGEFLEET_HEARTBEAT_SECONDS", default_value_t = 10.0)]
+    heartbeat_seconds: f64,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -99,7 +104,12 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         readiness.clone(),
     ));
 
+    let heartbeat = std::time::Duration::try_from_secs_f64(args.heartbeat_seconds)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .context("--heartbeat-seconds must be a positive number")?;
     let settings = Settings {
+        heartbeat: edgefleet_shared::heartbeat::Heartbeat::every(heartbeat),
         sync_listener,
         status_writes_per_second: args.status_writes_per_second,
         status_metrics,

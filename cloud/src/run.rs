@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use edgefleet_shared::ResourceKey;
 use edgefleet_shared::api::{Device, EdgeNode};
+use edgefleet_shared::heartbeat::Heartbeat;
 use edgefleet_shared::proto::sync_server::SyncServer;
 use futures::StreamExt;
 use kube::runtime::reflector;
@@ -48,6 +49,9 @@ pub struct Settings {
     /// How long a node may be without an agent before it and its Devices
     /// are marked unreachable.
     pub node_grace_period: std::time::Duration,
+    /// Heartbeats on the sync streams: how often they go out, and (3 of
+    /// them) how long an agent may be silent before its session ends.
+    pub heartbeat: Heartbeat,
 }
 
 /// A running controller.
@@ -132,6 +136,7 @@ impl Controller {
             settings.device_events_per_second,
             settings.device_event_metrics,
         );
+        let beat = settings.heartbeat;
         let service = SyncService::new(
             client,
             index,
@@ -140,11 +145,19 @@ impl Controller {
             events,
             device_events,
             Arc::clone(&sync_metrics),
-        );
-        let incoming = tonic::transport::server::TcpIncoming::from(settings.sync_listener);
+        )
+        .with_heartbeat(beat);
+        // Dead connections close below the heartbeat rule too: HTTP/2 PINGs
+        // and TCP keepalive (set on the incoming connections: tonic ignores
+        // the builder's TCP settings with serve_with_incoming).
+        let incoming = tonic::transport::server::TcpIncoming::from(settings.sync_listener)
+            .with_nodelay(Some(true))
+            .with_keepalive(Some(beat.tcp_keepalive()))
+            .with_keepalive_interval(Some(beat.interval));
         tasks.spawn(async move {
             let served = tonic::transport::Server::builder()
-                .http2_keepalive_interval(Some(std::time::Duration::from_secs(20)))
+                .http2_keepalive_interval(Some(beat.keepalive_interval()))
+                .http2_keepalive_timeout(Some(beat.keepalive_timeout()))
                 .add_service(SyncServer::new(service))
                 .serve_with_incoming(incoming)
                 .await;

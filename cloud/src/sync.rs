@@ -4,7 +4,9 @@
 //! between what the agent holds and its node's slice of the index, then sends
 //! each later change as another difference. Reports go to the status writer;
 //! an uplink sequence number is acknowledged only once every entry up to it is
-//! durable in the API server.
+//! durable in the API server. An agent silent for 3 heartbeat intervals
+//! (see [`edgefleet_shared::heartbeat`]) has its session ended, counted and
+//! logged.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
@@ -12,6 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use edgefleet_shared::api::ReportOrigin;
+use edgefleet_shared::heartbeat::{Heartbeat, PeerWatch};
 use edgefleet_shared::proto::{self, agent_message, cloud_message, resource, uplink_entry};
 use edgefleet_shared::telemetry::Outcomes;
 use edgefleet_shared::{ResourceKey, ResourceVersion};
@@ -31,8 +34,8 @@ use crate::status::{Completion, StatusChange, StatusWriter};
 /// Most resources in one Update, so one message stays small.
 pub const MAX_RESOURCES_PER_UPDATE: usize = 256;
 
-/// How often the cloud sends a heartbeat on an idle stream.
-pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(10);
+/// How often the cloud sends a heartbeat by default.
+pub const HEARTBEAT_INTERVAL: Duration = Heartbeat::DEFAULT.interval;
 
 /// Counters of the sync server.
 #[derive(Debug, Default)]
@@ -49,6 +52,9 @@ pub struct SyncMetrics {
     pub refused: Outcomes,
     /// Nacks received.
     pub nacks: Counter,
+    /// Sessions ended because the agent was silent for 3 heartbeat
+    /// intervals (or sent no Hello within them).
+    pub silent_agents: Counter,
 }
 
 impl SyncMetrics {
@@ -69,6 +75,11 @@ impl SyncMetrics {
         self.refused
             .register(registry, "refused", "Agent input refused, by reason");
         registry.register("nacks", "Updates agents refused", self.nacks.clone());
+        registry.register(
+            "silent_agents",
+            "Agent sessions ended because the agent was silent for 3 heartbeat intervals",
+            self.silent_agents.clone(),
+        );
     }
 }
 
@@ -83,6 +94,7 @@ pub struct SyncService {
     device_events: DeviceEvents,
     metrics: Arc<SyncMetrics>,
     sessions: Arc<AtomicU64>,
+    heartbeat: Heartbeat,
 }
 
 impl SyncService {
@@ -107,7 +119,14 @@ impl SyncService {
             device_events,
             metrics,
             sessions: Arc::default(),
+            heartbeat: Heartbeat::default(),
         }
+    }
+
+    /// Sends heartbeats every `heartbeat.interval` and ends sessions whose
+    /// agent is silent for 3 of them.
+    pub fn with_heartbeat(self, heartbeat: Heartbeat) -> Self {
+        SyncService { heartbeat, ..self }
     }
 }
 
@@ -128,7 +147,16 @@ impl proto::sync_server::Sync for SyncService {
         request: Request<Streaming<proto::AgentMessage>>,
     ) -> Result<Response<Self::StreamStream>, Status> {
         let mut inbound = request.into_inner();
-        let hello = match inbound.message().await? {
+        let limit = self.heartbeat.silence_limit();
+        let Ok(first) = tokio::time::timeout(limit, inbound.message()).await else {
+            self.metrics.silent_agents.inc();
+            tracing::warn!(
+                ?limit,
+                "an agent opened a stream but sent no Hello: ending it"
+            );
+            return Err(Status::deadline_exceeded("no Hello in time"));
+        };
+        let hello = match first? {
             Some(proto::AgentMessage {
                 kind: Some(agent_message::Kind::Hello(hello)),
             }) => hello,
@@ -189,6 +217,7 @@ impl proto::sync_server::Sync for SyncService {
             uplink: UplinkWatermark::default(),
             status: self.status.clone(),
             metrics: Arc::clone(&self.metrics),
+            heartbeat: self.heartbeat,
         };
         tokio::spawn(session.run(inbound, tx));
         Ok(Response::new(ReceiverStream::new(rx)))
@@ -227,14 +256,30 @@ struct Session {
     uplink: UplinkWatermark,
     status: StatusWriter,
     metrics: Arc<SyncMetrics>,
+    heartbeat: Heartbeat,
 }
 
 impl Session {
     async fn run(mut self, mut inbound: Streaming<proto::AgentMessage>, tx: Outbound) {
         self.metrics.streams.inc();
         let (done_tx, mut done_rx) = mpsc::unbounded_channel();
-        let mut heartbeat = tokio::time::interval(HEARTBEAT_INTERVAL);
-        let result: Result<(), String> = async {
+        let mut heartbeat = tokio::time::interval(self.heartbeat.interval);
+        // Started when the Hello arrived.
+        let watch = PeerWatch::new(self.heartbeat.silence_limit());
+        let metrics = Arc::clone(&self.metrics);
+        let node = self.node.clone();
+        let silent = async {
+            let silent = watch.silent().await;
+            metrics.silent_agents.inc();
+            tracing::warn!(
+                %node,
+                silent_for = ?silent,
+                missed = edgefleet_shared::heartbeat::MISSED_HEARTBEATS,
+                "heard nothing from the agent for 3 heartbeat intervals: ending its session"
+            );
+            Err::<(), _>(format!("agent silent for {silent:?}"))
+        };
+        let talk = async {
             self.desired.mark_changed();
             loop {
                 tokio::select! {
@@ -243,8 +288,11 @@ impl Session {
                         self.send_difference(&tx).await?;
                     }
                     message = inbound.message() => match message {
-                        Ok(Some(message)) => self.handle(message, &done_tx).await?,
-                        Ok(None) => return Ok(()),
+                        Ok(Some(message)) => {
+                            watch.heard();
+                            self.handle(message, &done_tx).await?
+                        }
+                        Ok(None) => return Ok::<(), String>(()),
                         Err(status) => return Err(format!("stream error: {status}")),
                     },
                     Some(seq) = done_rx.recv() => {
@@ -258,8 +306,11 @@ impl Session {
                     }
                 }
             }
-        }
-        .await;
+        };
+        let result: Result<(), String> = tokio::select! {
+            ended = talk => ended,
+            ended = silent => ended,
+        };
         self.metrics.streams.dec();
         self.agents.disconnected(&self.node, self.id);
         if let Err(error) = self.node_status.disconnected().await {

@@ -56,6 +56,15 @@ struct Cli {
     /// Address of /metrics and /healthz.
     #[arg(long, env = "EDGEFLEET_METRICS_ADDR", default_value = "127.0.0.1:9464")]
     metrics_addr: SocketAddr,
+    /// Seconds between heartbeats on the sync stream; a cloud silent for 3
+    /// of them is taken for gone and the agent reconnects. Use the cloud's
+    /// `--heartbeat-seconds`.
+    #[arg(
+        long,
+        env = "EDGEFLEET_CLOUD_HEARTBEAT_SECONDS",
+        default_value_t = 10.0
+    )]
+    cloud_heartbeat_seconds: f64,
 }
 
 #[tokio::main]
@@ -143,11 +152,23 @@ async fn main() -> anyhow::Result<()> {
 
     let readiness = Readiness::default();
     readiness.set(true);
+    let heartbeat = Duration::try_from_secs_f64(cli.cloud_heartbeat_seconds)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .context("--cloud-heartbeat-seconds must be a positive number")?;
+    let silent_cloud = prometheus_client::metrics::counter::Counter::<u64>::default();
+    registry.register(
+        "sync_silent_cloud",
+        "Sync sessions ended because the cloud was silent for 3 heartbeat intervals",
+        silent_cloud.clone(),
+    );
     let settings = SyncSettings {
         cloud: cli.cloud.clone(),
         node: cli.node.clone(),
         agent_version: env!("CARGO_PKG_VERSION").to_owned(),
         boot_id: boot_id(),
+        heartbeat: edgefleet_shared::heartbeat::Heartbeat::every(heartbeat),
+        silent_cloud,
     };
     let gauges = {
         let store = store.clone();

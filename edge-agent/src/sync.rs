@@ -2,7 +2,11 @@
 //! updates durably before acknowledging them, and sends the outbox up.
 //!
 //! The connection is retried forever with exponential backoff and jitter; the
-//! store keeps the agent working in between.
+//! store keeps the agent working in between. A cloud that goes silent (a
+//! link that drops packets without a reset) is noticed by the heartbeat rule
+//! of [`edgefleet_shared::heartbeat`]: nothing heard for 3 intervals ends the
+//! session, which is counted and logged; HTTP/2 PINGs and TCP keepalive back
+//! it up.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -10,8 +14,10 @@ use std::time::Duration;
 use backon::{BackoffBuilder, ExponentialBuilder};
 use edgefleet_shared::api::Transport;
 use edgefleet_shared::codec::FirmwareOrder;
+use edgefleet_shared::heartbeat::{Heartbeat, PeerWatch};
 use edgefleet_shared::proto::{self, agent_message, cloud_message, resource, uplink_entry};
 use edgefleet_shared::{PropertyValue, ResourceKey};
+use prometheus_client::metrics::counter::Counter;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
@@ -20,8 +26,8 @@ use crate::store::{DesiredDevice, PendingUplink, Store, StoreError};
 /// Most outbox entries in one Uplink message.
 pub const UPLINK_BATCH: usize = 256;
 
-/// How often the agent sends a heartbeat.
-pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(10);
+/// How often the agent sends a heartbeat by default.
+pub const HEARTBEAT_INTERVAL: Duration = Heartbeat::DEFAULT.interval;
 
 /// Who this agent is and where the cloud is.
 #[derive(Clone, Debug)]
@@ -34,6 +40,11 @@ pub struct SyncSettings {
     pub agent_version: String,
     /// Changes on every start.
     pub boot_id: String,
+    /// How often heartbeats go out; 3 intervals without a word from the
+    /// cloud end a session.
+    pub heartbeat: Heartbeat,
+    /// Sessions ended because the cloud was silent.
+    pub silent_cloud: Counter,
 }
 
 /// Why a session ended.
@@ -56,6 +67,9 @@ pub enum SyncError {
     /// The outgoing half closed.
     #[error("sync stream closed")]
     Closed,
+    /// Nothing heard from the cloud for 3 heartbeat intervals.
+    #[error("heard nothing from the cloud for {0:?}")]
+    Silent(Duration),
 }
 
 /// Runs sync sessions until the process ends, reconnecting after each.
@@ -70,26 +84,79 @@ pub async fn run(settings: SyncSettings, store: Store) {
     };
     let mut delays = backoff();
     loop {
-        match session(&settings, &store).await {
-            Ok(()) => {
-                tracing::info!(cloud = %settings.cloud, "cloud closed the sync stream");
-                delays = backoff();
-            }
+        let mut opened = false;
+        match session(&settings, &store, &mut opened).await {
+            Ok(()) => tracing::info!(cloud = %settings.cloud, "cloud closed the sync stream"),
             Err(error) => tracing::warn!(cloud = %settings.cloud, %error, "sync session ended"),
+        }
+        // After a session that got its stream open, start the backoff over.
+        if opened {
+            delays = backoff();
         }
         let delay = delays.next().unwrap_or(Duration::from_secs(15));
         tokio::time::sleep(delay).await;
     }
 }
 
-/// One session: Hello, then updates in and the outbox out until the stream ends.
-pub async fn session(settings: &SyncSettings, store: &Store) -> Result<(), SyncError> {
-    let mut client = proto::sync_client::SyncClient::connect(settings.cloud.clone())
+/// One session: Hello, then updates in and the outbox out until the stream
+/// ends, or until the cloud has been silent for 3 heartbeat intervals
+/// (counting from the start of the connection attempt). `opened` is set once
+/// the stream is open.
+pub async fn session(
+    settings: &SyncSettings,
+    store: &Store,
+    opened: &mut bool,
+) -> Result<(), SyncError> {
+    let watch = PeerWatch::new(settings.heartbeat.silence_limit());
+    tokio::select! {
+        ended = talk(settings, store, &watch, opened) => ended,
+        silent = watch.silent() => {
+            settings.silent_cloud.inc();
+            tracing::warn!(
+                node = %settings.node,
+                cloud = %settings.cloud,
+                silent_for = ?silent,
+                missed = edgefleet_shared::heartbeat::MISSED_HEARTBEATS,
+                "heard nothing from the cloud for 3 heartbeat intervals: ending the sync session"
+            );
+            Err(SyncError::Silent(silent))
+        }
+    }
+}
+
+/// The cloud's endpoint with the connection-level timeouts: connect, HTTP/2
+/// PING and TCP keepalive, derived from the heartbeat interval.
+fn endpoint(settings: &SyncSettings) -> Result<tonic::transport::Endpoint, SyncError> {
+    let beat = settings.heartbeat;
+    let endpoint =
+        tonic::transport::Endpoint::from_shared(settings.cloud.clone()).map_err(|source| {
+            SyncError::Connect {
+                endpoint: settings.cloud.clone(),
+                source,
+            }
+        })?;
+    Ok(endpoint
+        .connect_timeout(beat.silence_limit())
+        .http2_keep_alive_interval(beat.keepalive_interval())
+        .keep_alive_timeout(beat.keepalive_timeout())
+        .keep_alive_while_idle(true)
+        .tcp_keepalive(Some(beat.tcp_keepalive())))
+}
+
+async fn talk(
+    settings: &SyncSettings,
+    store: &Store,
+    watch: &PeerWatch,
+    opened: &mut bool,
+) -> Result<(), SyncError> {
+    let channel = endpoint(settings)?
+        .connect()
         .await
         .map_err(|source| SyncError::Connect {
             endpoint: settings.cloud.clone(),
             source,
         })?;
+    let mut client = proto::sync_client::SyncClient::new(channel);
     let (tx, rx) = mpsc::channel(16);
     let held = store
         .held()?
@@ -108,18 +175,21 @@ pub async fn session(settings: &SyncSettings, store: &Store) -> Result<(), SyncE
     };
     send(&tx, agent_message::Kind::Hello(hello)).await?;
     let mut inbound = client.stream(ReceiverStream::new(rx)).await?.into_inner();
+    watch.heard();
+    *opened = true;
     tracing::info!(cloud = %settings.cloud, node = %settings.node, "sync stream open");
     let _link = LinkUp::new(store);
 
     // The highest outbox seq sent in this session; a new session resends
     // whatever is still unacknowledged.
     let mut sent_up_to = 0;
-    let mut heartbeat = tokio::time::interval(HEARTBEAT_INTERVAL);
+    let mut heartbeat = tokio::time::interval(settings.heartbeat.interval);
     loop {
         send_outbox(store, &tx, &mut sent_up_to).await?;
         tokio::select! {
             message = inbound.message() => {
                 let Some(message) = message? else { return Ok(()) };
+                watch.heard();
                 match message.kind {
                     Some(cloud_message::Kind::Update(update)) => apply_update(store, &tx, update).await?,
                     Some(cloud_message::Kind::UplinkAck(ack)) => {

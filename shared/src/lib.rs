@@ -6,13 +6,15 @@
 //! - [`codec`]: the CBOR wire format between agent and devices, and
 //!   [`topics`]: the MQTT topics it travels on;
 //! - [`version`], [`property`], [`key`]: the small value types all of them use;
-//! - [`telemetry`]: the operator endpoints and log setup every process shares.
+//! - [`telemetry`]: the operator endpoints and log setup every process shares;
+//! - [`heartbeat`]: dead-peer detection on the sync stream.
 
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
 
 pub mod api;
 pub mod codec;
+pub mod heartbeat;
 pub mod key;
 pub mod property;
 pub mod proto;

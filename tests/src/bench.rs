@@ -45,7 +45,10 @@ pub async fn wait_all_applied(
             return Ok(());
         }
         if Instant::now() > deadline {
-            bail!("{what}: only {ready} of {count} after {} s", patience.as_secs());
+            bail!(
+                "{what}: only {ready} of {count} after {} s",
+                patience.as_secs()
+            );
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

@@ -16,6 +16,7 @@
 
 pub mod bench;
 pub mod edge_events;
+pub mod fault;
 pub mod final_state;
 pub mod fleet_view;
 pub mod process;

@@ -14,6 +14,7 @@ use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 
+use crate::fault::FaultProxy;
 use crate::process::{Process, binary, free_tcp_addr, free_udp_addr, http_get};
 
 /// Field manager of the Devices the stack applies.
@@ -37,6 +38,13 @@ pub struct StackSpec {
     /// Limit the controller to the fleet's namespace (tests running side by
     /// side on one API server), or let it serve all namespaces.
     pub namespaced_controller: bool,
+    /// More flags for the controller (`edgefleet-cloud run`).
+    pub cloud_args: Vec<String>,
+    /// More flags for every agent.
+    pub agent_args: Vec<String>,
+    /// Route each agent's sync connection through a [`FaultProxy`] of its
+    /// own ([`Agent::proxy`]), so a test can cut it.
+    pub sync_through_proxy: bool,
 }
 
 /// One edge node's agent and where it listens.
@@ -50,6 +58,9 @@ pub struct Agent {
     pub mqtt: SocketAddr,
     /// `/metrics` and `/healthz`.
     pub metrics: SocketAddr,
+    /// The proxy its sync connection goes through, with
+    /// [`StackSpec::sync_through_proxy`].
+    pub proxy: Option<FaultProxy>,
     args: Vec<String>,
     process: Process,
 }
@@ -90,26 +101,34 @@ impl Stack {
         if spec.namespaced_controller {
             cloud_args.push(format!("--namespace={}", spec.namespace));
         }
+        cloud_args.extend(spec.cloud_args.iter().cloned());
         let cloud = start_cloud(&spec.dir, &cloud_args, kubeconfig, 0)?;
         wait_http(cloud_metrics, "/readyz", "the cloud controller").await?;
 
         let mut agents = Vec::new();
         for node in &spec.nodes {
             let (coap, mqtt, metrics) = (free_udp_addr(), free_tcp_addr(), free_tcp_addr());
-            let args = vec![
+            let proxy = match spec.sync_through_proxy {
+                true => Some(FaultProxy::start(sync).await?),
+                false => None,
+            };
+            let cloud = proxy.as_ref().map_or(sync, FaultProxy::addr);
+            let mut args = vec![
                 format!("--node={node}"),
-                format!("--cloud=http://{sync}"),
+                format!("--cloud=http://{cloud}"),
                 format!("--data-dir={}", spec.dir.join(node).display()),
                 format!("--coap-bind={coap}"),
                 format!("--mqtt-listen={mqtt}"),
                 format!("--metrics-addr={metrics}"),
             ];
+            args.extend(spec.agent_args.iter().cloned());
             let process = start_agent(&spec.dir, node, &args, 0)?;
             agents.push(Agent {
                 node: node.clone(),
                 coap,
                 mqtt,
                 metrics,
+                proxy,
                 args,
                 process,
             });

@@ -49,6 +49,9 @@ impl Fleet {
             status_writes_per_second: 200,
             dir: dir.path().to_owned(),
             namespaced_controller: true,
+            cloud_args: Vec::new(),
+            agent_args: Vec::new(),
+            sync_through_proxy: false,
         };
         let mut stack = Stack::start(spec, cp.kubeconfig()).await.unwrap();
         stack.apply_devices(&client).await.unwrap();

@@ -38,6 +38,7 @@ async fn start_controller(client: &Client, ns: &str) -> Controller {
             instance: Some("test".into()),
             namespace: Some(ns.to_owned()),
             node_grace_period: NODE_GRACE,
+            heartbeat: Default::default(),
         },
     )
     .await
@@ -80,6 +81,8 @@ fn start_agent(controller: &Controller, node: &str, store: &Store) -> tokio::tas
         node: node.to_owned(),
         agent_version: "test".into(),
         boot_id: format!("boot-{node}"),
+        heartbeat: Default::default(),
+        silent_cloud: Default::default(),
     };
     tokio::spawn(sync::run(settings, store.clone()))
 }

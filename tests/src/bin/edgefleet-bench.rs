@@ -89,6 +89,9 @@ async fn main() -> anyhow::Result<()> {
         status_writes_per_second: cli.status_writes_per_second,
         dir: cli.dir.clone(),
         namespaced_controller: true,
+        cloud_args: Vec::new(),
+        agent_args: Vec::new(),
+        sync_through_proxy: false,
     };
     let mut stack = Stack::start(spec, &kubeconfig).await?;
     let devices: Api<Device> = Api::namespaced(client.clone(), NAMESPACE);

@@ -82,6 +82,9 @@ async fn main() -> anyhow::Result<()> {
         status_writes_per_second: cli.status_writes_per_second,
         dir: cli.dir.clone(),
         namespaced_controller: false,
+        cloud_args: Vec::new(),
+        agent_args: Vec::new(),
+        sync_through_proxy: false,
     };
     say(&format!(
         "starting the cloud controller and {} agents",
