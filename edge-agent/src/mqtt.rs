@@ -151,12 +151,17 @@ async fn drive(
         match events.poll().await {
             Ok(Event::Incoming(Packet::ConnAck(_))) => {
                 tracing::info!(%node, "connected to the site broker");
-                // Subscribing from here would wait on this very loop: use try_.
-                if let Err(error) =
-                    client.try_subscribe(topics::reports_of(&node), QoS::AtLeastOnce)
-                {
-                    tracing::warn!(%error, "could not subscribe to reports");
-                }
+                // From a task: after an outage the request queue may be full
+                // of desired states, and only this loop drains it, so
+                // awaiting here would never end and try_subscribe would
+                // fail, leaving the agent deaf to reports until the next
+                // reconnect.
+                let (client, topic) = (client.clone(), topics::reports_of(&node));
+                tokio::spawn(async move {
+                    if let Err(error) = client.subscribe(topic, QoS::AtLeastOnce).await {
+                        tracing::warn!(%error, "could not subscribe to reports");
+                    }
+                });
                 connected.notify_one();
             }
             Ok(Event::Incoming(Packet::Publish(publish))) => {

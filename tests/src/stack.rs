@@ -46,7 +46,7 @@ pub struct Agent {
     pub node: String,
     /// CoAP (UDP).
     pub coap: SocketAddr,
-    /// The embedded MQTT broker.
+    /// Its MQTT broker: the embedded one, or the external one it uses.
     pub mqtt: SocketAddr,
     /// `/metrics` and `/healthz`.
     pub metrics: SocketAddr,
@@ -73,6 +73,16 @@ impl Stack {
     /// Starts the controller (with `kubeconfig`) and the agents, and waits
     /// until each answers on its health endpoint.
     pub async fn start(spec: StackSpec, kubeconfig: &Path) -> anyhow::Result<Stack> {
+        Self::start_with_broker(spec, kubeconfig, None).await
+    }
+
+    /// [`Stack::start`], with the agents on an external MQTT broker at
+    /// `broker` (say Mosquitto) instead of each running its embedded one.
+    pub async fn start_with_broker(
+        spec: StackSpec,
+        kubeconfig: &Path,
+        broker: Option<SocketAddr>,
+    ) -> anyhow::Result<Stack> {
         std::fs::create_dir_all(&spec.dir)?;
         for name in ["edgefleet-cloud", "edgefleet-agent", "edgefleet-sim"] {
             binary(name);
@@ -95,15 +105,19 @@ impl Stack {
 
         let mut agents = Vec::new();
         for node in &spec.nodes {
-            let (coap, mqtt, metrics) = (free_udp_addr(), free_tcp_addr(), free_tcp_addr());
-            let args = vec![
+            let (coap, metrics) = (free_udp_addr(), free_tcp_addr());
+            let mqtt = broker.unwrap_or_else(free_tcp_addr);
+            let mut args = vec![
                 format!("--node={node}"),
                 format!("--cloud=http://{sync}"),
                 format!("--data-dir={}", spec.dir.join(node).display()),
                 format!("--coap-bind={coap}"),
-                format!("--mqtt-listen={mqtt}"),
                 format!("--metrics-addr={metrics}"),
             ];
+            args.push(match broker {
+                Some(broker) => format!("--mqtt-url=mqtt://{broker}"),
+                None => format!("--mqtt-listen={mqtt}"),
+            });
             let process = start_agent(&spec.dir, node, &args, 0)?;
             agents.push(Agent {
                 node: node.clone(),
