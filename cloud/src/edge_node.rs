@@ -24,6 +24,10 @@ pub struct NodeStatus {
     api: Api<EdgeNode>,
     node: String,
     written: Option<EdgeNodeStatus>,
+    // The agent's connection (version, boot id) until the EdgeNode says so:
+    // a write that failed (the API server away) is made again at the next
+    // heartbeat, not given up.
+    unrecorded_connect: Option<(String, String)>,
 }
 
 impl NodeStatus {
@@ -33,15 +37,25 @@ impl NodeStatus {
             api: Api::all(client),
             node: node.to_owned(),
             written: None,
+            unrecorded_connect: None,
         }
     }
 
-    /// The agent connected: make sure the EdgeNode exists and say so.
+    /// The agent connected: make sure the EdgeNode exists and say so. If
+    /// that fails, the next [`NodeStatus::heartbeat`] tries again.
     pub async fn connected(
         &mut self,
         agent_version: &str,
         boot_id: &str,
     ) -> Result<(), kube::Error> {
+        self.unrecorded_connect = Some((agent_version.to_owned(), boot_id.to_owned()));
+        self.record_connect().await
+    }
+
+    async fn record_connect(&mut self) -> Result<(), kube::Error> {
+        let Some((agent_version, boot_id)) = self.unrecorded_connect.clone() else {
+            return Ok(());
+        };
         let node = EdgeNode::new(&self.node, EdgeNodeSpec {});
         self.api
             .patch(
@@ -53,8 +67,8 @@ impl NodeStatus {
         let now = Timestamp::now();
         let mut status = self.written.clone().unwrap_or_default();
         status.connected = true;
-        status.agent_version = Some(agent_version.to_owned());
-        status.boot_id = Some(boot_id.to_owned());
+        status.agent_version = Some(agent_version);
+        status.boot_id = Some(boot_id);
         status.last_heartbeat = Some(Time(now));
         set_ready(
             &mut status.conditions,
@@ -63,7 +77,9 @@ impl NodeStatus {
             "the agent's sync stream is open",
             now,
         );
-        self.write(status).await
+        self.write(status).await?;
+        self.unrecorded_connect = None;
+        Ok(())
     }
 
     /// A heartbeat arrived with these figures.
@@ -73,6 +89,7 @@ impl NodeStatus {
         outbox_depth: i64,
         events_dropped: i64,
     ) -> Result<(), kube::Error> {
+        self.record_connect().await?;
         let Some(written) = self.written.clone() else {
             return Ok(());
         };

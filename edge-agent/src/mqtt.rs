@@ -157,12 +157,20 @@ async fn drive(
         match events.poll().await {
             Ok(Event::Incoming(Packet::ConnAck(_))) => {
                 tracing::info!(%node, "connected to the site broker");
-                // Subscribing from here would wait on this very loop: use try_.
-                for filter in [topics::reports_of(&node), topics::events_of(&node)] {
-                    if let Err(error) = client.try_subscribe(&filter, QoS::AtLeastOnce) {
-                        tracing::warn!(%error, %filter, "could not subscribe");
+                // From a task: after an outage the request queue may be full
+                // of desired states, and only this loop drains it, so
+                // awaiting here would never end and try_subscribe would
+                // fail, leaving the agent deaf to reports until the next
+                // reconnect.
+                let client = client.clone();
+                let filters = [topics::reports_of(&node), topics::events_of(&node)];
+                tokio::spawn(async move {
+                    for filter in filters {
+                        if let Err(error) = client.subscribe(&filter, QoS::AtLeastOnce).await {
+                            tracing::warn!(%error, %filter, "could not subscribe");
+                        }
                     }
-                }
+                });
                 connected.notify_one();
             }
             Ok(Event::Incoming(Packet::Publish(publish))) => {

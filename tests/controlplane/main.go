@@ -5,7 +5,7 @@
 //
 // Usage:
 //
-//	edgefleet-controlplane --data-dir DIR [--kubeconfig PATH] [-- KUBE-APISERVER-FLAGS...]
+//	edgefleet-controlplane --data-dir DIR [--kubeconfig PATH] [--port N] [-- KUBE-APISERVER-FLAGS...]
 //
 // Once /readyz answers ok it prints exactly one line on stdout,
 //
@@ -60,13 +60,15 @@ func run() int {
 		kubeconfigPath string
 		verbose        bool
 		watchStdin     bool
+		port           int
 	)
 	flag.StringVar(&dataDir, "data-dir", "", "directory for etcd data, certificates, logs and the kubeconfig (required)")
 	flag.StringVar(&kubeconfigPath, "kubeconfig", "", "where to write the admin kubeconfig (default DATA-DIR/kubeconfig)")
 	flag.BoolVar(&verbose, "verbose", false, "send kube-apiserver and etcd logs to stderr instead of DATA-DIR/logs/")
 	flag.BoolVar(&watchStdin, "watch-stdin", true, "shut down when stdin reaches EOF")
+	flag.IntVar(&port, "port", 0, "the API server's port on 127.0.0.1 (default: a free one); give the same port to a restart on the same data dir to keep the kubeconfig valid")
 	flag.Usage = func() {
-		fmt.Fprintf(os.Stderr, "usage: edgefleet-controlplane --data-dir DIR [--kubeconfig PATH] [--verbose] [--watch-stdin=false] [-- KUBE-APISERVER-FLAGS...]\n")
+		fmt.Fprintf(os.Stderr, "usage: edgefleet-controlplane --data-dir DIR [--kubeconfig PATH] [--port N] [--verbose] [--watch-stdin=false] [-- KUBE-APISERVER-FLAGS...]\n")
 		flag.PrintDefaults()
 	}
 	flag.Parse()
@@ -160,7 +162,7 @@ func run() int {
 	svcIP := make(net.IP, len(svcNet.IP))
 	copy(svcIP, svcNet.IP)
 	svcIP[len(svcIP)-1]++ // first address of the range: the "kubernetes" service
-	p, err := generatePKI(filepath.Join(dataDir, "pki"), svcIP)
+	p, err := loadOrGeneratePKI(filepath.Join(dataDir, "pki"), svcIP)
 	if err != nil {
 		logf("generating certificates: %v", err)
 		return 1
@@ -182,7 +184,7 @@ func run() int {
 	}
 
 	// kube-apiserver on a pre-bound loopback listener.
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	ln, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", port))
 	if err != nil {
 		logf("binding the secure port: %v", err)
 		stopEtcd()

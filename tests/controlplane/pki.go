@@ -9,16 +9,21 @@ import (
 	"crypto/x509/pkix"
 	"encoding/hex"
 	"encoding/pem"
+	"errors"
 	"fmt"
+	"io/fs"
 	"math/big"
 	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 )
 
 // pki holds the file locations and in-memory material of the credentials the
-// control plane is started with. Everything is regenerated on every start.
+// control plane is started with. They are generated on the first start on a
+// data dir and reused by later starts on it, so a restarted control plane
+// still accepts the clients (and kubeconfigs) of the earlier one.
 type pki struct {
 	caPEM []byte
 
@@ -71,14 +76,50 @@ func writeFile(path string, data []byte, mode os.FileMode) error {
 	return os.Rename(tmp, path)
 }
 
-// generatePKI creates a CA, a serving certificate for the loopback addresses,
-// an admin client certificate and token, and a service-account signing key,
-// and writes them below dir.
-func generatePKI(dir string, serviceIP net.IP) (*pki, error) {
-	if err := os.MkdirAll(dir, 0o700); err != nil {
+// loadOrGeneratePKI reuses the credentials below dir if a previous start
+// left a complete set there, and generates new ones otherwise.
+func loadOrGeneratePKI(dir string, serviceIP net.IP) (*pki, error) {
+	if p, err := loadPKI(dir); err == nil {
+		return p, nil
+	} else if !errors.Is(err, fs.ErrNotExist) {
+		logf("cannot reuse the credentials in %s (%v); generating new ones", dir, err)
+	}
+	return generatePKI(dir, serviceIP)
+}
+
+// loadPKI reads the credentials a previous generatePKI wrote below dir.
+func loadPKI(dir string) (*pki, error) {
+	p := pkiFiles(dir)
+	for _, f := range []string{p.ServingCertFile, p.ServingKeyFile, p.SAKeyFile, p.SAPubFile} {
+		if _, err := os.Stat(f); err != nil {
+			return nil, err
+		}
+	}
+	var err error
+	if p.caPEM, err = os.ReadFile(p.CAFile); err != nil {
 		return nil, err
 	}
-	p := &pki{
+	if p.adminCertPEM, err = os.ReadFile(p.AdminCertFile); err != nil {
+		return nil, err
+	}
+	if p.adminKeyPEM, err = os.ReadFile(p.AdminKeyFile); err != nil {
+		return nil, err
+	}
+	tokens, err := os.ReadFile(p.TokenFile)
+	if err != nil {
+		return nil, err
+	}
+	token, _, ok := strings.Cut(string(tokens), ",")
+	if !ok || token == "" {
+		return nil, fmt.Errorf("no admin token in %s", p.TokenFile)
+	}
+	p.AdminToken = token
+	return p, nil
+}
+
+// pkiFiles names the credential files below dir.
+func pkiFiles(dir string) *pki {
+	return &pki{
 		CAFile:          filepath.Join(dir, "ca.crt"),
 		ServingCertFile: filepath.Join(dir, "apiserver.crt"),
 		ServingKeyFile:  filepath.Join(dir, "apiserver.key"),
@@ -88,13 +129,23 @@ func generatePKI(dir string, serviceIP net.IP) (*pki, error) {
 		SAPubFile:       filepath.Join(dir, "sa.pub"),
 		TokenFile:       filepath.Join(dir, "tokens.csv"),
 		AdminUser:       adminUser,
-		servingDNSNames: []string{
-			"localhost",
-			"kubernetes", "kubernetes.default", "kubernetes.default.svc",
-			"kubernetes.default.svc.cluster.local",
-		},
-		servingIPAddress: []net.IP{net.ParseIP("127.0.0.1"), net.IPv6loopback, serviceIP},
 	}
+}
+
+// generatePKI creates a CA, a serving certificate for the loopback addresses,
+// an admin client certificate and token, and a service-account signing key,
+// and writes them below dir.
+func generatePKI(dir string, serviceIP net.IP) (*pki, error) {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, err
+	}
+	p := pkiFiles(dir)
+	p.servingDNSNames = []string{
+		"localhost",
+		"kubernetes", "kubernetes.default", "kubernetes.default.svc",
+		"kubernetes.default.svc.cluster.local",
+	}
+	p.servingIPAddress = []net.IP{net.ParseIP("127.0.0.1"), net.IPv6loopback, serviceIP}
 
 	now := time.Now()
 	notBefore := now.Add(-1 * time.Hour)

@@ -72,11 +72,7 @@ impl ControlPlane {
 
     /// A new client for the calling test's tokio runtime.
     pub async fn client(&self) -> Client {
-        let kubeconfig = Kubeconfig::read_from(&self.kubeconfig).expect("read kubeconfig");
-        let config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
-            .await
-            .expect("load kubeconfig");
-        Client::try_from(config).expect("build client")
+        client_from(&self.kubeconfig).await
     }
 }
 
@@ -152,12 +148,36 @@ pub async fn test_namespace(client: &Client, hint: &str) -> String {
 fn start() -> anyhow::Result<ControlPlane> {
     let binary = control_plane_binary()?;
     let data_dir = fresh_data_dir()?;
-    let log_path = data_dir.join("controlplane.log");
-    let log = std::fs::File::create(&log_path)?;
+    let (child, stdin, kubeconfig) = spawn(&binary, &data_dir, None)?;
+    let control_plane = ControlPlane {
+        kubeconfig,
+        data_dir,
+        _stdin: Mutex::new(stdin),
+        _child: Mutex::new(child),
+    };
+    install_crds_blocking(&control_plane.kubeconfig)?;
+    Ok(control_plane)
+}
 
-    let mut child = Command::new(&binary)
-        .arg("--data-dir")
-        .arg(&data_dir)
+/// Starts the control plane on `data_dir` (on `port` if given) and waits
+/// until it is ready: its process, its stdin and its kubeconfig.
+fn spawn(
+    binary: &Path,
+    data_dir: &Path,
+    port: Option<u16>,
+) -> anyhow::Result<(Child, ChildStdin, PathBuf)> {
+    let log_path = data_dir.join("controlplane.log");
+    // Appended to, so a restart's log follows the earlier one's.
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log_path)?;
+    let mut command = Command::new(binary);
+    command.arg("--data-dir").arg(data_dir);
+    if let Some(port) = port {
+        command.arg(format!("--port={port}"));
+    }
+    let mut child = command
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(log)
@@ -166,29 +186,25 @@ fn start() -> anyhow::Result<ControlPlane> {
     let stdin = child.stdin.take().expect("piped stdin");
     let stdout = child.stdout.take().expect("piped stdout");
 
-    let kubeconfig = match wait_ready(stdout) {
-        Ok(path) => path,
+    match wait_ready(stdout) {
+        Ok(kubeconfig) => Ok((child, stdin, kubeconfig)),
         Err(e) => {
             let _ = child.kill();
             let _ = child.wait();
-            return Err(e.context(format!(
+            Err(e.context(format!(
                 "control plane stderr:\n{}\nkube-apiserver log:\n{}\n{}",
                 tail(&log_path, 20),
                 tail(&data_dir.join("logs/kube-apiserver.log"), 20),
-                free_space(&data_dir)
-            )));
+                free_space(data_dir)
+            )))
         }
-    };
+    }
+}
 
-    let control_plane = ControlPlane {
-        kubeconfig,
-        data_dir,
-        _stdin: Mutex::new(stdin),
-        _child: Mutex::new(child),
-    };
-    // The caller may be inside a tokio runtime, where blocking on another
-    // runtime panics: install the CRDs from a thread of our own.
-    let kubeconfig = control_plane.kubeconfig.clone();
+/// [`install_crds`] from a thread of its own: the caller may be inside a
+/// tokio runtime, where blocking on another runtime panics.
+fn install_crds_blocking(kubeconfig: &Path) -> anyhow::Result<()> {
+    let kubeconfig = kubeconfig.to_owned();
     std::thread::spawn(move || {
         tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -196,8 +212,126 @@ fn start() -> anyhow::Result<ControlPlane> {
             .block_on(install_crds(&kubeconfig))
     })
     .join()
-    .map_err(|_| anyhow!("CRD installation panicked"))??;
-    Ok(control_plane)
+    .map_err(|_| anyhow!("CRD installation panicked"))?
+}
+
+/// A control plane of one test's own, which the test may stop (SIGTERM or
+/// SIGKILL) and start again: on the same data dir (etcd's data and the
+/// credentials survive) and the same address, so the kubeconfig, and every
+/// client made from it, stays valid across restarts. Not shared: stopping
+/// [`control_plane`] would fail the other tests of the process.
+#[derive(Debug)]
+pub struct RestartableControlPlane {
+    binary: PathBuf,
+    data_dir: PathBuf,
+    port: u16,
+    kubeconfig: PathBuf,
+    // `None` while stopped. Dropping the stdin stops the control plane too.
+    running: Option<(Child, ChildStdin)>,
+    starts: u32,
+}
+
+impl RestartableControlPlane {
+    /// Starts a new control plane on a free port, with the CRDs and the
+    /// admission policy installed. Blocks for a few seconds.
+    pub fn start() -> anyhow::Result<Self> {
+        let binary = control_plane_binary()?;
+        let data_dir = fresh_data_dir()?;
+        let port = process::free_tcp_addr().port();
+        let (child, stdin, kubeconfig) = spawn(&binary, &data_dir, Some(port))?;
+        let control_plane = RestartableControlPlane {
+            binary,
+            data_dir,
+            port,
+            kubeconfig,
+            running: Some((child, stdin)),
+            starts: 1,
+        };
+        install_crds_blocking(&control_plane.kubeconfig)?;
+        Ok(control_plane)
+    }
+
+    /// Path of a kubeconfig with cluster-admin rights; the same file, and
+    /// valid, across restarts.
+    pub fn kubeconfig(&self) -> &Path {
+        &self.kubeconfig
+    }
+
+    /// Where etcd's data, the certificates and the logs live.
+    pub fn data_dir(&self) -> &Path {
+        &self.data_dir
+    }
+
+    /// How many times it was started.
+    pub fn starts(&self) -> u32 {
+        self.starts
+    }
+
+    /// A new client for the calling test's tokio runtime.
+    pub async fn client(&self) -> Client {
+        client_from(&self.kubeconfig).await
+    }
+
+    /// Sends `signal` (SIGTERM: a clean shutdown; SIGKILL: a crash) and
+    /// waits until the process is gone. Blocks; a no-op when stopped.
+    pub fn stop(&mut self, signal: nix::sys::signal::Signal) -> anyhow::Result<()> {
+        let Some((mut child, stdin)) = self.running.take() else {
+            return Ok(());
+        };
+        let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+        nix::sys::signal::kill(pid, signal).context("signal the control plane")?;
+        // It exits within 5 s of SIGTERM (its own deadline); wait a bit more.
+        let deadline = std::time::Instant::now() + Duration::from_secs(15);
+        let exited = loop {
+            if let Some(status) = child.try_wait()? {
+                break Some(status);
+            }
+            if std::time::Instant::now() > deadline {
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        drop(stdin);
+        if exited.is_none() {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!("the control plane did not exit within 15 s of {signal}");
+        }
+        Ok(())
+    }
+
+    /// Starts it again on the same data dir and port; returns once it is
+    /// ready. Blocks for a few seconds.
+    pub fn restart(&mut self) -> anyhow::Result<()> {
+        anyhow::ensure!(self.running.is_none(), "the control plane is running");
+        let (child, stdin, kubeconfig) = spawn(&self.binary, &self.data_dir, Some(self.port))?;
+        anyhow::ensure!(
+            kubeconfig == self.kubeconfig,
+            "the restarted control plane wrote its kubeconfig to {}",
+            kubeconfig.display()
+        );
+        self.running = Some((child, stdin));
+        self.starts += 1;
+        Ok(())
+    }
+}
+
+impl Drop for RestartableControlPlane {
+    fn drop(&mut self) {
+        if let Some((mut child, stdin)) = self.running.take() {
+            drop(stdin);
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+async fn client_from(kubeconfig: &Path) -> Client {
+    let kubeconfig = Kubeconfig::read_from(kubeconfig).expect("read kubeconfig");
+    let config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+        .await
+        .expect("load kubeconfig");
+    Client::try_from(config).expect("build client")
 }
 
 /// The binary from `$EDGEFLEET_CONTROLPLANE_BIN`, or built (or found in the

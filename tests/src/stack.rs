@@ -21,7 +21,7 @@ use crate::process::{Process, binary, free_tcp_addr, free_udp_addr, http_get};
 pub const FIELD_MANAGER: &str = "edgefleet-up";
 
 /// What to run.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct StackSpec {
     /// Edge node names; one agent each.
     pub nodes: Vec<String>,
@@ -54,7 +54,7 @@ pub struct Agent {
     pub node: String,
     /// CoAP (UDP).
     pub coap: SocketAddr,
-    /// The embedded MQTT broker.
+    /// Its MQTT broker: the embedded one, or the external one it uses.
     pub mqtt: SocketAddr,
     /// `/metrics` and `/healthz`.
     pub metrics: SocketAddr,
@@ -84,6 +84,16 @@ impl Stack {
     /// Starts the controller (with `kubeconfig`) and the agents, and waits
     /// until each answers on its health endpoint.
     pub async fn start(spec: StackSpec, kubeconfig: &Path) -> anyhow::Result<Stack> {
+        Self::start_with_broker(spec, kubeconfig, None).await
+    }
+
+    /// [`Stack::start`], with the agents on an external MQTT broker at
+    /// `broker` (say Mosquitto) instead of each running its embedded one.
+    pub async fn start_with_broker(
+        spec: StackSpec,
+        kubeconfig: &Path,
+        broker: Option<SocketAddr>,
+    ) -> anyhow::Result<Stack> {
         std::fs::create_dir_all(&spec.dir)?;
         for name in ["edgefleet-cloud", "edgefleet-agent", "edgefleet-sim"] {
             binary(name);
@@ -107,7 +117,8 @@ impl Stack {
 
         let mut agents = Vec::new();
         for node in &spec.nodes {
-            let (coap, mqtt, metrics) = (free_udp_addr(), free_tcp_addr(), free_tcp_addr());
+            let (coap, metrics) = (free_udp_addr(), free_tcp_addr());
+            let mqtt = broker.unwrap_or_else(free_tcp_addr);
             let proxy = match spec.sync_through_proxy {
                 true => Some(FaultProxy::start(sync).await?),
                 false => None,
@@ -118,9 +129,12 @@ impl Stack {
                 format!("--cloud=http://{cloud}"),
                 format!("--data-dir={}", spec.dir.join(node).display()),
                 format!("--coap-bind={coap}"),
-                format!("--mqtt-listen={mqtt}"),
                 format!("--metrics-addr={metrics}"),
             ];
+            args.push(match broker {
+                Some(broker) => format!("--mqtt-url=mqtt://{broker}"),
+                None => format!("--mqtt-listen={mqtt}"),
+            });
             args.extend(spec.agent_args.iter().cloned());
             let process = start_agent(&spec.dir, node, &args, 0)?;
             agents.push(Agent {

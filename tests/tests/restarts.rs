@@ -1,0 +1,385 @@
+//! Restarts of what the system depends on, with real processes: the
+//! Kubernetes API server (a control plane of the test's own, stopped and
+//! started again on the same data and address) and the site's MQTT broker
+//! (Mosquitto killed and started again on the same port; the embedded broker
+//! restarted with its agent). Devices keep reporting and specs change
+//! throughout. Every test ends with an exact comparison: each Device's status
+//! equals its simulated device's last acknowledged report, at the Device's
+//! current generation.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use edgefleet_shared::api::{Device, EdgeNode};
+use edgefleet_tests::final_state::{matches_final, read_final_state};
+use edgefleet_tests::fleet_view::applied_current_generation;
+use edgefleet_tests::process::{Process, free_tcp_addr};
+use edgefleet_tests::stack::{Stack, StackSpec};
+use edgefleet_tests::{PATIENCE, RestartableControlPlane, test_namespace};
+use kube::api::{Patch, PatchParams};
+use kube::{Api, Client};
+use nix::sys::signal::Signal;
+
+/// How long the API server stays down.
+const API_OUTAGE: Duration = Duration::from_secs(10);
+
+/// How long to wait for the fleet to converge after a fault (watch backoff
+/// after a 10 s outage alone can take ~15 s).
+const RECOVERY: Duration = Duration::from_secs(60);
+
+fn spec(hint: &str, namespace: &str, devices: usize, mqtt_every: usize, dir: &Path) -> StackSpec {
+    StackSpec {
+        nodes: vec![format!("edge-{hint}-{}", std::process::id())],
+        namespace: namespace.to_owned(),
+        devices,
+        mqtt_every,
+        status_writes_per_second: 200,
+        dir: dir.to_owned(),
+        namespaced_controller: true,
+        ..StackSpec::default()
+    }
+}
+
+fn sim_args(dir: &Path) -> Vec<String> {
+    vec![
+        "--report-interval=300ms".into(),
+        format!("--final-state={}", final_state(dir).display()),
+    ]
+}
+
+fn final_state(dir: &Path) -> PathBuf {
+    dir.join("final.jsonl")
+}
+
+/// Polls `check` until it returns `Some` or `within` has passed.
+async fn within<T, F, Fut>(within: Duration, what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out after {within:?} waiting until {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// `Some` once there are `count` Devices and each applied its generation.
+async fn all_applied(devices: &Api<Device>, count: usize) -> Option<()> {
+    let list = devices.list(&Default::default()).await.ok()?;
+    let applied = list.items.iter().all(applied_current_generation);
+    (list.items.len() == count && applied).then_some(())
+}
+
+/// Changes the desired state of the Devices `names`, retrying each patch
+/// until the API server takes it (it may have just come back).
+async fn change_specs(devices: &Api<Device>, names: impl IntoIterator<Item = usize>, round: u32) {
+    for i in names {
+        let name = format!("dev-{i:05}");
+        let patch = serde_json::json!({ "spec": { "desired": { "round": round } } });
+        within(PATIENCE, &format!("{name} takes round {round}"), || async {
+            devices
+                .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+                .ok()
+        })
+        .await;
+    }
+}
+
+/// The end of every test: once every Device applied its current
+/// generation, the simulator stops, and then every Device's status must
+/// equal its device's last acknowledged report. Keeps the logs on failure.
+async fn converge_exactly(
+    stack: &mut Stack,
+    devices: &Api<Device>,
+    count: usize,
+    dir: tempfile::TempDir,
+) {
+    let applied = tokio::time::timeout(RECOVERY, async {
+        while all_applied(devices, count).await.is_none() {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    })
+    .await;
+    if applied.is_err() {
+        let list = devices.list(&Default::default()).await.unwrap();
+        let behind: Vec<String> = list
+            .items
+            .iter()
+            .filter(|d| !applied_current_generation(d))
+            .map(|d| {
+                format!(
+                    "{} generation {:?}, applied {:?}",
+                    d.metadata.name.clone().unwrap_or_default(),
+                    d.metadata.generation,
+                    d.status.as_ref().and_then(|s| s.applied_generation)
+                )
+            })
+            .collect();
+        panic!(
+            "{} of {count} Devices did not apply their current generation within {RECOVERY:?} (logs in {}):\n{}",
+            behind.len(),
+            dir.keep().display(),
+            behind.join("\n")
+        );
+    }
+    stack.check_running().unwrap();
+    assert!(stack.stop_sim(), "the simulator stopped cleanly");
+
+    let finals = read_final_state(&final_state(dir.path())).unwrap();
+    assert_eq!(finals.len(), count, "every device acknowledged a report");
+    let converged = |d: &Device| matches_final(d, &finals) && applied_current_generation(d);
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        let list = devices.list(&Default::default()).await.unwrap();
+        assert_eq!(list.items.len(), count);
+        if list.items.iter().all(converged) {
+            return;
+        }
+        if tokio::time::Instant::now() > deadline {
+            let wrong: Vec<String> = list
+                .items
+                .iter()
+                .filter(|d| !converged(d))
+                .map(|d| {
+                    let name = d.metadata.name.clone().unwrap_or_default();
+                    format!(
+                        "{name} (generation {:?}): status {:?}\n  last report {:?}",
+                        d.metadata.generation,
+                        d.status
+                            .as_ref()
+                            .map(|s| (&s.applied_generation, &s.reported, &s.phase)),
+                        finals.get(&name)
+                    )
+                })
+                .collect();
+            panic!(
+                "{} Devices never reached their device's last report (logs in {}):\n{}",
+                wrong.len(),
+                dir.keep().display(),
+                wrong.join("\n")
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+async fn edge_node_boot_id(client: &Client, node: &str) -> Option<String> {
+    let node = Api::<EdgeNode>::all(client.clone())
+        .get_opt(node)
+        .await
+        .ok()??;
+    node.status?.boot_id
+}
+
+/// Blocking work (starting and stopping the control plane) off the
+/// runtime's threads.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    tokio::task::spawn_blocking(f).await.unwrap()
+}
+
+/// The API server goes away twice while CoAP devices report: once stopped
+/// cleanly (SIGTERM), once killed (SIGKILL) with the agent restarted while
+/// it is gone. The agent keeps acknowledging devices from its store; the
+/// controller's status and EdgeNode writes fail and are retried, its watches
+/// resume, and specs changed after each return reach the devices.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_server_restarted_twice_loses_no_report_and_no_spec() {
+    const DEVICES: usize = 20;
+    let mut cp = blocking(|| RestartableControlPlane::start().unwrap()).await;
+    let client = cp.client().await;
+    let ns = test_namespace(&client, "restart-api").await;
+    let dir = tempfile::tempdir().unwrap();
+    let spec = spec("api", &ns, DEVICES, 0, dir.path());
+    let node = spec.nodes[0].clone();
+    let mut stack = Stack::start(spec, cp.kubeconfig()).await.unwrap();
+    stack.apply_devices(&client).await.unwrap();
+    stack.start_sim(&sim_args(dir.path())).unwrap();
+    let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
+    within(RECOVERY, "every device applied its desired state", || {
+        all_applied(&devices, DEVICES)
+    })
+    .await;
+    let first_boot = within(PATIENCE, "the EdgeNode names the agent's boot", || {
+        edge_node_boot_id(&client, &node)
+    })
+    .await;
+
+    for (round, signal) in [(1, Signal::SIGTERM), (2, Signal::SIGKILL)] {
+        cp = blocking(move || {
+            cp.stop(signal).unwrap();
+            cp
+        })
+        .await;
+        if signal == Signal::SIGKILL {
+            // The agent reconnects while the API server is away: the
+            // controller cannot record it in the EdgeNode yet.
+            stack.kill_and_restart_agent(0, 1).await.unwrap();
+        }
+        // Devices keep reporting to the agent all along.
+        tokio::time::sleep(API_OUTAGE).await;
+        stack.check_running().unwrap();
+        cp = blocking(move || {
+            cp.restart().unwrap();
+            cp
+        })
+        .await;
+        change_specs(&devices, (0..DEVICES).step_by(3), round).await;
+    }
+    assert_eq!(cp.starts(), 3);
+
+    converge_exactly(&mut stack, &devices, DEVICES, dir).await;
+    // The agent's reconnect during the outage reached the EdgeNode later.
+    let boot = within(
+        PATIENCE,
+        "the EdgeNode names the restarted agent's boot",
+        || async {
+            edge_node_boot_id(&client, &node)
+                .await
+                .filter(|boot| *boot != first_boot)
+        },
+    )
+    .await;
+    assert_ne!(boot, first_boot);
+    stack.shutdown();
+}
+
+/// Debian's Mosquitto on a fixed loopback port, which can be killed and
+/// started again on that port.
+struct Mosquitto {
+    addr: SocketAddr,
+    conf: PathBuf,
+    process: Option<Process>,
+}
+
+impl Mosquitto {
+    fn start(dir: &Path) -> Mosquitto {
+        let addr = free_tcp_addr();
+        let conf = dir.join("mosquitto.conf");
+        // No persistence: a restart forgets retained messages and sessions,
+        // so the agent must publish desired state again.
+        std::fs::write(
+            &conf,
+            format!(
+                "listener {} {}\nallow_anonymous true\npersistence false\n",
+                addr.port(),
+                addr.ip()
+            ),
+        )
+        .unwrap();
+        let mut mosquitto = Mosquitto {
+            addr,
+            conf,
+            process: None,
+        };
+        mosquitto.restart();
+        mosquitto
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut process) = self.process.take() {
+            process.kill();
+        }
+    }
+
+    fn restart(&mut self) {
+        let program = ["/usr/sbin/mosquitto", "/usr/bin/mosquitto"]
+            .into_iter()
+            .find(|p| Path::new(p).exists())
+            .expect("mosquitto is installed (Debian package `mosquitto`; .ci/run installs it)");
+        self.process = Some(Process::start_path(
+            program,
+            &["-c".into(), self.conf.display().to_string()],
+        ));
+    }
+
+    async fn wait_listening(&self) {
+        within(PATIENCE, "Mosquitto listens", || async {
+            tokio::net::TcpStream::connect(self.addr).await.ok()
+        })
+        .await;
+    }
+}
+
+/// MQTT devices report through Mosquitto, which is killed twice and started
+/// again on the same port, with specs changed before, during and after each
+/// outage: the agent's and the simulator's clients reconnect and subscribe
+/// again, and the agent publishes desired state again for the broker that
+/// forgot it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_mosquitto_loses_no_spec_and_the_last_reports_arrive() {
+    const DEVICES: usize = 20;
+    let dir = tempfile::tempdir().unwrap();
+    let mut mosquitto = Mosquitto::start(dir.path());
+    mosquitto.wait_listening().await;
+    let cp = edgefleet_tests::control_plane();
+    let client = cp.client().await;
+    let ns = test_namespace(&client, "restart-mosquitto").await;
+    let spec = spec("mosq", &ns, DEVICES, 1, dir.path());
+    let mut stack = Stack::start_with_broker(spec, cp.kubeconfig(), Some(mosquitto.addr))
+        .await
+        .unwrap();
+    stack.apply_devices(&client).await.unwrap();
+    stack.start_sim(&sim_args(dir.path())).unwrap();
+    let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
+    within(RECOVERY, "every device applied its desired state", || {
+        all_applied(&devices, DEVICES)
+    })
+    .await;
+
+    for round in 1..=2u32 {
+        change_specs(&devices, (0..DEVICES).step_by(4), round * 10).await;
+        mosquitto.kill();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        // Reaches the agent over gRPC while it has no broker.
+        change_specs(&devices, (1..DEVICES).step_by(4), round * 10 + 1).await;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        mosquitto.restart();
+        mosquitto.wait_listening().await;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        change_specs(&devices, (2..DEVICES).step_by(4), round * 10 + 2).await;
+    }
+
+    converge_exactly(&mut stack, &devices, DEVICES, dir).await;
+    stack.shutdown();
+    mosquitto.kill();
+}
+
+/// The same with the embedded broker: restarting the agent (SIGKILL)
+/// restarts the broker inside it, which forgets every session and retained
+/// message; the simulator's MQTT clients reconnect to the new one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_embedded_broker_loses_no_spec_and_the_last_reports_arrive() {
+    const DEVICES: usize = 20;
+    let cp = edgefleet_tests::control_plane();
+    let client = cp.client().await;
+    let ns = test_namespace(&client, "restart-embedded").await;
+    let dir = tempfile::tempdir().unwrap();
+    let spec = spec("emb", &ns, DEVICES, 1, dir.path());
+    let mut stack = Stack::start(spec, cp.kubeconfig()).await.unwrap();
+    stack.apply_devices(&client).await.unwrap();
+    stack.start_sim(&sim_args(dir.path())).unwrap();
+    let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
+    within(RECOVERY, "every device applied its desired state", || {
+        all_applied(&devices, DEVICES)
+    })
+    .await;
+
+    for round in 1..=2u32 {
+        change_specs(&devices, (0..DEVICES).step_by(3), round * 10).await;
+        stack.kill_and_restart_agent(0, round).await.unwrap();
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        change_specs(&devices, (1..DEVICES).step_by(3), round * 10 + 1).await;
+    }
+
+    converge_exactly(&mut stack, &devices, DEVICES, dir).await;
+    stack.shutdown();
+}
