@@ -15,6 +15,7 @@ pub struct EventQueue {
     next_id: u64,
     pending: VecDeque<DeviceEvent>,
     raised: Vec<u64>,
+    abandoned: Vec<u64>,
 }
 
 impl EventQueue {
@@ -42,6 +43,17 @@ impl EventQueue {
         while self.pending.front().is_some_and(|e| e.id <= highest) {
             self.pending.pop_front();
         }
+    }
+
+    /// The device's Device was deleted: its unconfirmed events can no longer
+    /// be delivered (the agent refuses unknown devices) and are given up.
+    pub fn abandon(&mut self) {
+        self.abandoned.extend(self.pending.drain(..).map(|e| e.id));
+    }
+
+    /// The ids given up by [`EventQueue::abandon`].
+    pub fn abandoned(&self) -> &[u64] {
+        &self.abandoned
     }
 
     /// Every id raised so far, in order.
@@ -75,5 +87,8 @@ mod tests {
         q.confirmed(3);
         assert_eq!(q.next(), None);
         assert_eq!(q.raised(), &[1, 2, 3]);
+        q.raise(false, "Tick", "tick 4".into());
+        q.abandon();
+        assert_eq!((q.next(), q.abandoned()), (None, &[4][..]));
     }
 }

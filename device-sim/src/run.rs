@@ -67,6 +67,8 @@ struct FinalState {
     events: Vec<u64>,
     /// Those the agent had not confirmed when the simulation stopped.
     unconfirmed_events: Vec<u64>,
+    /// Those given up unconfirmed because the device's Device was deleted.
+    abandoned_events: Vec<u64>,
 }
 
 /// Runs the simulation until `shutdown` resolves, then stops every device
@@ -521,6 +523,8 @@ impl DeviceTask {
                         }
                         Some(Inbox::Deleted) => {
                             self.device.forget();
+                            self.events.abandon();
+                            event_retry_at = None;
                             self.stats.desired_deleted();
                             next_report = None;
                             report_due = false;
@@ -583,6 +587,7 @@ impl DeviceTask {
             report: acknowledged,
             events: self.events.raised().to_vec(),
             unconfirmed_events: self.events.unconfirmed(),
+            abandoned_events: self.events.abandoned().to_vec(),
         })
     }
 

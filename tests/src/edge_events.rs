@@ -53,3 +53,62 @@ pub async fn dropped_notices(client: &Client, node: &str) -> anyhow::Result<Vec<
         .filter_map(|e| e.note)
         .collect())
 }
+
+/// Waits until every event the simulator raised (its final-state file) is
+/// a Kubernetes Event in `ns` exactly once, and fails if one was never
+/// confirmed to its device, is missing or is there twice. Devices in
+/// `deleted` are left out: the events of a deleted Device that had not
+/// reached the cloud are refused there (`unknown_device`). Returns how many
+/// events were raised.
+pub async fn wait_exactly_once(
+    client: &Client,
+    ns: &str,
+    final_state: &std::path::Path,
+    deleted: &[String],
+    patience: std::time::Duration,
+) -> anyhow::Result<usize> {
+    let mut raised = crate::final_state::read_final_events(final_state)?;
+    raised.retain(|name, _| !deleted.contains(name));
+    let unconfirmed: Vec<String> = raised
+        .iter()
+        .filter(|(_, e)| !e.unconfirmed_events.is_empty())
+        .map(|(name, e)| format!("{name}: {:?}", e.unconfirmed_events))
+        .collect();
+    anyhow::ensure!(
+        unconfirmed.is_empty(),
+        "events never confirmed by the agent: {}",
+        unconfirmed.join(", ")
+    );
+    let expected: BTreeMap<String, Vec<u64>> = raised
+        .into_iter()
+        .filter(|(_, e)| !e.events.is_empty())
+        .map(|(name, e)| (name, e.events))
+        .collect();
+    let total = expected.values().map(Vec::len).sum();
+    let deadline = tokio::time::Instant::now() + patience;
+    loop {
+        let mut arrived = device_event_ids(client, ns).await?;
+        arrived.retain(|name, _| !deleted.contains(name));
+        if arrived == expected {
+            return Ok(total);
+        }
+        if tokio::time::Instant::now() > deadline {
+            let mut names: Vec<&String> = expected.keys().chain(arrived.keys()).collect();
+            names.sort();
+            names.dedup();
+            let wrong: Vec<String> = names
+                .into_iter()
+                .filter(|name| expected.get(*name) != arrived.get(*name))
+                .map(|name| {
+                    format!(
+                        "{name}: raised {:?}, arrived {:?}",
+                        expected.get(name),
+                        arrived.get(name)
+                    )
+                })
+                .collect();
+            anyhow::bail!("events lost or repeated:\n{}", wrong.join("\n"));
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
+}

@@ -33,6 +33,9 @@ pub struct FinalEvents {
     pub events: Vec<u64>,
     /// Those its agent had not confirmed when the simulator stopped.
     pub unconfirmed_events: Vec<u64>,
+    /// Those given up because the device's Device was deleted.
+    #[serde(default)]
+    pub abandoned_events: Vec<u64>,
 }
 
 /// Each device's events, by Device name.
@@ -72,4 +75,49 @@ pub fn matches_final(device: &Device, finals: &HashMap<String, DeviceReport>) ->
             .properties
             .iter()
             .all(|(k, v)| status.reported.get(k).is_some_and(|s| same(s, v)))
+}
+
+/// Waits until every Device in `devices` shows exactly its device's last
+/// report (`finals`) and applied its current generation, and there are
+/// `count` of them; fails after `patience` naming the ones that differ.
+pub async fn wait_converged(
+    devices: &kube::Api<Device>,
+    finals: &HashMap<String, DeviceReport>,
+    count: usize,
+    patience: std::time::Duration,
+) -> anyhow::Result<()> {
+    let converged =
+        |d: &Device| matches_final(d, finals) && crate::fleet_view::applied_current_generation(d);
+    let deadline = tokio::time::Instant::now() + patience;
+    loop {
+        let list = devices.list(&Default::default()).await?;
+        if list.items.len() == count && list.items.iter().all(converged) {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() > deadline {
+            let wrong: Vec<String> = list
+                .items
+                .iter()
+                .filter(|d| !converged(d))
+                .map(|d| {
+                    format!(
+                        "{} (generation {:?}): status {:?}\n  last report {:?}",
+                        d.name_any(),
+                        d.metadata.generation,
+                        d.status
+                            .as_ref()
+                            .map(|s| (&s.applied_generation, &s.reported, &s.phase)),
+                        finals.get(&d.name_any())
+                    )
+                })
+                .collect();
+            anyhow::bail!(
+                "{} of {} Devices (want {count}) never reached their device's last report at their current generation:\n{}",
+                wrong.len(),
+                list.items.len(),
+                wrong.join("\n")
+            );
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
 }

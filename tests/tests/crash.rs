@@ -13,8 +13,8 @@ use std::path::Path;
 use std::time::Duration;
 
 use edgefleet_shared::api::Device;
-use edgefleet_tests::edge_events::device_event_ids;
-use edgefleet_tests::final_state::{matches_final, read_final_events, read_final_state};
+use edgefleet_tests::edge_events::wait_exactly_once;
+use edgefleet_tests::final_state::{read_final_state, wait_converged};
 use edgefleet_tests::fleet_view::applied_current_generation;
 use edgefleet_tests::process::{http_get, metric};
 use edgefleet_tests::stack::{Stack, StackSpec};
@@ -134,88 +134,23 @@ async fn an_agent_killed_100_times_loses_and_repeats_no_report_event_or_desired_
     let finals = read_final_state(&final_state).unwrap();
     assert_eq!(finals.len(), DEVICES, "every device acknowledged a report");
     // And every Device ends at its device's last acknowledged report.
-    let converged = |d: &Device| matches_final(d, &finals);
-    let deadline = tokio::time::Instant::now() + edgefleet_tests::PATIENCE;
-    let list = loop {
-        let list = devices.list(&Default::default()).await.unwrap();
-        if list.items.iter().all(converged) {
-            break list;
-        }
-        if tokio::time::Instant::now() > deadline {
-            let wrong: Vec<String> = list
-                .items
-                .iter()
-                .filter(|d| !converged(d))
-                .map(|d| {
-                    let name = d.metadata.name.clone().unwrap_or_default();
-                    format!(
-                        "{name} (generation {:?}): status {:?}\n  last report {:?}",
-                        d.metadata.generation,
-                        d.status.as_ref().map(|s| (
-                            &s.delivered_generation,
-                            &s.applied_generation,
-                            &s.reported,
-                            &s.phase
-                        )),
-                        finals.get(&name)
-                    )
-                })
-                .collect();
-            panic!(
-                "seed {seed}: {} Devices never reached their device's last report (logs in {}):\n{}",
-                wrong.len(),
-                dir.keep().display(),
-                wrong.join("\n")
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
-    assert_eq!(list.items.len(), DEVICES);
+    if let Err(e) = wait_converged(&devices, &finals, DEVICES, edgefleet_tests::PATIENCE).await {
+        panic!("seed {seed} (logs in {}): {e}", dir.keep().display());
+    }
 
     // Every event raised is confirmed by the agent, and is an Event exactly
     // once: none lost to a kill, none repeated by a resend.
-    let raised = read_final_events(&final_state).unwrap();
-    assert_eq!(raised.len(), DEVICES);
-    let total: usize = raised.values().map(|e| e.events.len()).sum();
+    let client = devices.clone().into_client();
+    let ns = devices.namespace().unwrap().to_owned();
+    let total =
+        match wait_exactly_once(&client, &ns, &final_state, &[], edgefleet_tests::PATIENCE).await {
+            Ok(total) => total,
+            Err(e) => panic!("seed {seed} (logs in {}): {e}", dir.keep().display()),
+        };
     assert!(
         total > DEVICES * 5,
         "only {total} events raised: the test exercised too little"
     );
-    for (name, events) in &raised {
-        assert!(
-            events.unconfirmed_events.is_empty(),
-            "seed {seed}: {name}'s events {:?} were never confirmed",
-            events.unconfirmed_events
-        );
-    }
-    let expected: std::collections::BTreeMap<String, Vec<u64>> = raised
-        .into_iter()
-        .map(|(name, events)| (name, events.events))
-        .collect();
-    let client = devices.clone().into_client();
-    let ns = devices.namespace().unwrap().to_owned();
-    let deadline = tokio::time::Instant::now() + edgefleet_tests::PATIENCE;
-    loop {
-        let arrived = device_event_ids(&client, &ns).await.unwrap();
-        if arrived == expected {
-            break;
-        }
-        if tokio::time::Instant::now() > deadline {
-            let wrong: Vec<String> = expected
-                .iter()
-                .filter(|(name, ids)| arrived.get(*name) != Some(ids))
-                .map(|(name, ids)| {
-                    format!("{name}: raised {ids:?}, arrived {:?}", arrived.get(name))
-                })
-                .collect();
-            panic!(
-                "seed {seed}: events lost or repeated (logs in {}):\n{}",
-                dir.keep().display(),
-                wrong.join("\n")
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
     eprintln!("{total} events raised, each arrived exactly once");
     stack.shutdown();
 }

@@ -18,8 +18,9 @@ use coap_lite::{CoapOption, MessageClass, MessageType, Packet, RequestType, Resp
 use edgefleet_shared::api::device::condition as device_condition;
 use edgefleet_shared::api::edge_node::condition as node_condition;
 use edgefleet_shared::api::{Device, EdgeNode};
+use edgefleet_tests::edge_events::wait_exactly_once;
 use edgefleet_tests::fault::{FaultProxy, Mode};
-use edgefleet_tests::final_state::{matches_final, read_final_state};
+use edgefleet_tests::final_state::{read_final_state, wait_converged};
 use edgefleet_tests::fleet_view::applied_current_generation;
 use edgefleet_tests::process::{http_get, metric};
 use edgefleet_tests::stack::{Stack, StackSpec};
@@ -348,6 +349,7 @@ async fn an_edge_site_keeps_working_through_partitions_and_resyncs_only_the_diff
         .stack
         .start_sim(&[
             "--report-interval=300ms".into(),
+            "--event-every=5".into(),
             format!("--final-state={}", final_state.display()),
         ])
         .unwrap();
@@ -355,9 +357,11 @@ async fn an_edge_site_keeps_working_through_partitions_and_resyncs_only_the_diff
     let stats_before = world.proxy().stats();
 
     let rounds = [(Mode::Cut, 1, name(4)), (Mode::BlackHole, 2, name(5))];
+    let mut deleted = Vec::new();
     for ((fault, round, delete), create) in rounds.into_iter().zip(late) {
         partition(&world, fault, round, &delete, &create).await;
         expected.retain(|n| *n != delete);
+        deleted.push(delete);
         expected.push(create.name_any());
         expected.sort();
         eventually("every Device applied its current generation", || {
@@ -377,37 +381,29 @@ async fn an_edge_site_keeps_working_through_partitions_and_resyncs_only_the_diff
     world.stack.check_running().unwrap();
     assert!(world.stack.stop_sim(), "the simulator stopped cleanly");
     let finals = read_final_state(&final_state).unwrap();
-    let deadline = tokio::time::Instant::now() + edgefleet_tests::PATIENCE;
-    loop {
-        let list = world.devices.list(&Default::default()).await.unwrap();
-        let wrong: Vec<String> = list
-            .items
-            .iter()
-            .filter(|d| !(matches_final(d, &finals) && applied_current_generation(d)))
-            .map(|d| {
-                format!(
-                    "{} (generation {:?}): status {:?}, last report {:?}",
-                    d.name_any(),
-                    d.metadata.generation,
-                    d.status
-                        .as_ref()
-                        .map(|s| (&s.applied_generation, &s.reported, &s.phase)),
-                    finals.get(&d.name_any())
-                )
-            })
-            .collect();
-        if wrong.is_empty() {
-            assert_eq!(list.items.len(), expected.len());
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{} Devices never reached their device's last report (logs in {}):\n{}",
-            wrong.len(),
-            dir.keep().display(),
-            wrong.join("\n")
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
+    if let Err(e) = wait_converged(
+        &world.devices,
+        &finals,
+        expected.len(),
+        edgefleet_tests::PATIENCE,
+    )
+    .await
+    {
+        panic!("(logs in {}) {e}", dir.keep().display());
+    }
+    let client = world.devices.clone().into_client();
+    let ns = world.devices.namespace().unwrap().to_owned();
+    let events = wait_exactly_once(
+        &client,
+        &ns,
+        &final_state,
+        &deleted,
+        edgefleet_tests::PATIENCE,
+    )
+    .await;
+    match events {
+        Ok(events) => assert!(events > expected.len(), "only {events} events raised"),
+        Err(e) => panic!("(logs in {}) {e}", dir.keep().display()),
     }
     assert_eq!(
         world.agent_metric("edgefleet_agent_devices").await,

@@ -12,7 +12,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use edgefleet_shared::api::{Device, EdgeNode};
-use edgefleet_tests::final_state::{matches_final, read_final_state};
+use edgefleet_tests::edge_events::wait_exactly_once;
+use edgefleet_tests::final_state::{read_final_state, wait_converged};
 use edgefleet_tests::fleet_view::applied_current_generation;
 use edgefleet_tests::process::{Process, free_tcp_addr};
 use edgefleet_tests::stack::{Stack, StackSpec};
@@ -44,6 +45,7 @@ fn spec(hint: &str, namespace: &str, devices: usize, mqtt_every: usize, dir: &Pa
 fn sim_args(dir: &Path) -> Vec<String> {
     vec![
         "--report-interval=300ms".into(),
+        "--event-every=5".into(),
         format!("--final-state={}", final_state(dir).display()),
     ]
 }
@@ -136,39 +138,20 @@ async fn converge_exactly(
 
     let finals = read_final_state(&final_state(dir.path())).unwrap();
     assert_eq!(finals.len(), count, "every device acknowledged a report");
-    let converged = |d: &Device| matches_final(d, &finals) && applied_current_generation(d);
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    loop {
-        let list = devices.list(&Default::default()).await.unwrap();
-        assert_eq!(list.items.len(), count);
-        if list.items.iter().all(converged) {
-            return;
-        }
-        if tokio::time::Instant::now() > deadline {
-            let wrong: Vec<String> = list
-                .items
-                .iter()
-                .filter(|d| !converged(d))
-                .map(|d| {
-                    let name = d.metadata.name.clone().unwrap_or_default();
-                    format!(
-                        "{name} (generation {:?}): status {:?}\n  last report {:?}",
-                        d.metadata.generation,
-                        d.status
-                            .as_ref()
-                            .map(|s| (&s.applied_generation, &s.reported, &s.phase)),
-                        finals.get(&name)
-                    )
-                })
-                .collect();
-            panic!(
-                "{} Devices never reached their device's last report (logs in {}):\n{}",
-                wrong.len(),
-                dir.keep().display(),
-                wrong.join("\n")
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
+    if let Err(e) = wait_converged(devices, &finals, count, PATIENCE).await {
+        panic!("(logs in {}) {e}", dir.keep().display());
+    }
+    let events = wait_exactly_once(
+        &devices.clone().into_client(),
+        devices.namespace().unwrap(),
+        &final_state(dir.path()),
+        &[],
+        PATIENCE,
+    )
+    .await;
+    match events {
+        Ok(events) => assert!(events >= count, "only {events} events raised"),
+        Err(e) => panic!("(logs in {}) {e}", dir.keep().display()),
     }
 }
 
