@@ -9,6 +9,9 @@
 //!   ways, is read and thrown away, and new connections are accepted but
 //!   never forwarded — a link that drops packets silently, with no reset.
 //!
+//! In a black hole a side that closes is not told to the other side either
+//! (no FIN or reset crosses it).
+//!
 //! A black hole loses bytes mid-stream (unlike TCP over a real lossy link,
 //! which would retransmit them), so a connection that lost any is closed at
 //! [`heal`](FaultProxy::heal), as are the ones accepted during the black
@@ -216,7 +219,8 @@ async fn swallow(mut client: TcpStream, mut mode: watch::Receiver<Mode>, counter
     }
 }
 
-/// Pumps both ways until either side closes or the mode says otherwise.
+/// Pumps both ways until either side closes (while forwarding) or the mode
+/// says otherwise.
 async fn forward(
     client: TcpStream,
     upstream: TcpStream,
@@ -227,17 +231,26 @@ async fn forward(
     let (mut upstream_rx, mut upstream_tx) = upstream.into_split();
     let mut up = vec![0u8; 16 * 1024];
     let mut down = vec![0u8; 16 * 1024];
-    // Whether bytes were dropped since the last time the link forwarded.
+    // Whether bytes (or a close) were dropped since the link last forwarded.
     let mut lost = false;
+    // A side that closed during a black hole; the other is kept open.
+    let (mut client_open, mut upstream_open) = (true, true);
     loop {
         let current = *mode.borrow_and_update();
-        if current == Mode::Cut {
+        if current == Mode::Cut || !(client_open || upstream_open) {
             return;
         }
         let dropping = current == Mode::BlackHole;
         tokio::select! {
-            read = client_rx.read(&mut up) => {
-                let n = match read { Ok(0) | Err(_) => return, Ok(n) => n };
+            read = client_rx.read(&mut up), if client_open => {
+                let n = match read {
+                    Ok(0) | Err(_) if dropping => {
+                        (client_open, lost) = (false, true);
+                        continue;
+                    }
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => n,
+                };
                 if dropping {
                     lost = true;
                     counters.bytes_dropped.fetch_add(n as u64, Ordering::Relaxed);
@@ -248,8 +261,15 @@ async fn forward(
                     counters.bytes_up.fetch_add(n as u64, Ordering::Relaxed);
                 }
             }
-            read = upstream_rx.read(&mut down) => {
-                let n = match read { Ok(0) | Err(_) => return, Ok(n) => n };
+            read = upstream_rx.read(&mut down), if upstream_open => {
+                let n = match read {
+                    Ok(0) | Err(_) if dropping => {
+                        (upstream_open, lost) = (false, true);
+                        continue;
+                    }
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => n,
+                };
                 if dropping {
                     lost = true;
                     counters.bytes_dropped.fetch_add(n as u64, Ordering::Relaxed);
@@ -281,21 +301,31 @@ mod tests {
 
     /// An echo server that counts the connections it accepted.
     async fn echo_server() -> (SocketAddr, Arc<AtomicU64>) {
+        let (addr, accepted, _) = echo_server_counting_closes().await;
+        (addr, accepted)
+    }
+
+    /// An echo server that counts the connections it accepted and the ones
+    /// whose client closed.
+    async fn echo_server_counting_closes() -> (SocketAddr, Arc<AtomicU64>, Arc<AtomicU64>) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let accepted = Arc::new(AtomicU64::new(0));
-        let count = Arc::clone(&accepted);
+        let closed = Arc::new(AtomicU64::new(0));
+        let (count, closes) = (Arc::clone(&accepted), Arc::clone(&closed));
         tokio::spawn(async move {
             loop {
                 let (mut socket, _) = listener.accept().await.unwrap();
                 count.fetch_add(1, Ordering::Relaxed);
+                let closes = Arc::clone(&closes);
                 tokio::spawn(async move {
                     let (mut rx, mut tx) = socket.split();
                     let _ = tokio::io::copy(&mut rx, &mut tx).await;
+                    closes.fetch_add(1, Ordering::Relaxed);
                 });
             }
         });
-        (addr, accepted)
+        (addr, accepted, closed)
     }
 
     /// Writes `message` and reads as many bytes back, if they come within
@@ -409,6 +439,36 @@ mod tests {
             round_trip(&mut after, b"back", LONG).await.as_deref(),
             Some(&b"back"[..])
         );
+    }
+
+    #[tokio::test]
+    async fn a_close_does_not_cross_a_black_hole() {
+        let (echo, _, echo_closed) = echo_server_counting_closes().await;
+        let proxy = FaultProxy::start(echo).await.unwrap();
+        let mut client = TcpStream::connect(proxy.addr()).await.unwrap();
+        assert!(round_trip(&mut client, b"ping", LONG).await.is_some());
+        proxy.black_hole();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        drop(client);
+        tokio::time::sleep(QUIET).await;
+        assert_eq!(
+            echo_closed.load(Ordering::Relaxed),
+            0,
+            "the target was not told"
+        );
+        proxy.heal();
+        eventually_true(|| echo_closed.load(Ordering::Relaxed) == 1).await;
+    }
+
+    /// Waits (a few seconds at most) until `check` holds.
+    async fn eventually_true(check: impl Fn() -> bool) {
+        for _ in 0..100 {
+            if check() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("never happened");
     }
 
     #[tokio::test]
