@@ -81,6 +81,9 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> anyho
 
     let stats = Arc::new(Stats::default());
     let (stop_tx, stop_rx) = watch::channel(false);
+    // MQTT sessions stop after every device: a stopping device still sends
+    // its report and events in flight through them.
+    let (sessions_stop_tx, sessions_stop_rx) = watch::channel(false);
     let (applied_log, log_writer) = match &config.applied_log {
         Some(path) => {
             let (log, writer) = AppliedLog::open(path)
@@ -101,6 +104,7 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> anyho
             stats: &stats,
             applied_log: applied_log.as_ref(),
             stop: &stop_rx,
+            sessions_stop: &sessions_stop_rx,
         };
         node.spawn(&node_slots, &mut tasks).await?;
         stats.add_devices(node_slots.len() as u64);
@@ -123,7 +127,12 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> anyho
     let mut finals = Vec::new();
     while let Some(result) = tasks.join_next().await {
         match result {
-            Ok(Some(state)) => finals.push(state),
+            Ok(Some(state)) => {
+                finals.push(state);
+                if finals.len() == slots.len() {
+                    sessions_stop_tx.send_replace(true);
+                }
+            }
             Ok(None) => {}
             Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
             Err(_) => {}
@@ -177,6 +186,7 @@ struct NodeContext<'a> {
     stats: &'a Arc<Stats>,
     applied_log: Option<&'a AppliedLog>,
     stop: &'a watch::Receiver<bool>,
+    sessions_stop: &'a watch::Receiver<bool>,
 }
 
 impl NodeContext<'_> {
@@ -268,7 +278,7 @@ impl NodeContext<'_> {
             mqtt,
             routes,
             Arc::clone(self.stats),
-            self.stop.clone(),
+            self.sessions_stop.clone(),
         );
         tasks.spawn(async move {
             session.await;

@@ -200,6 +200,7 @@ async fn store_reports(
         if let Some((key, topics::Uplink::Event)) = topics::parse_uplink(&node, &publish.topic) {
             let outcome = match store_event(&store, &key, &publish).await {
                 Ok((outcome, highest)) => {
+                    tracing::debug!(device = %key, outcome, highest, "event from MQTT");
                     let ack = codec::encode(&EventAck { id: highest }).expect("an ack encodes");
                     let topic = topics::event_ack(&node, &key);
                     if let Err(error) = client.publish(topic, QoS::AtLeastOnce, false, ack).await {
