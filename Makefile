@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: test lint crds controlplane up bench
+.PHONY: test lint crds controlplane up bench bench-resync
 
 ## Build (or reuse) the local control plane, then run every test.
 test: controlplane
@@ -32,3 +32,10 @@ up: controlplane
 bench: controlplane
 	$(CARGO) build --locked --release --bins
 	./target/release/edgefleet-bench $(BENCH_ARGS)
+
+## Measure an edge site's resync after an outage: 1,000 devices on one agent
+## cut off for 30 minutes of traffic (compressed), then reconnected.
+## Figures: docs/benchmarks.md.
+bench-resync: controlplane
+	$(CARGO) build --locked --release --bins
+	./target/release/edgefleet-resync-bench $(BENCH_ARGS)
