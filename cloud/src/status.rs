@@ -156,6 +156,8 @@ impl StatusMetrics {
 struct Pending {
     changes: Vec<StatusChange>,
     completions: Vec<Completion>,
+    // Carries more than a node's reachability (see State::urgent).
+    urgent: bool,
 }
 
 #[derive(Debug, Default)]
@@ -163,6 +165,11 @@ struct State {
     // Devices with changes waiting, oldest first; may hold a key twice or a
     // key without pending changes (skipped when popped).
     queue: VecDeque<ResourceKey>,
+    // The same for devices whose changes carry data (a report, a delivery,
+    // a generation): written before those that only change reachability,
+    // so after an outage the node's fleet-wide `Online` flip does not hold
+    // back what changed while it was away. A device may be in both queues.
+    urgent: VecDeque<ResourceKey>,
     pending: HashMap<ResourceKey, Pending>,
     // Devices with a write on its way: never two writes for one device at
     // once, so they cannot land out of order.
@@ -234,13 +241,29 @@ impl StatusWriter {
         completion: Option<Completion>,
     ) {
         let mut state = self.inner.state.lock().expect("status state");
-        let State { queue, pending, .. } = &mut *state;
-        let entry = pending.entry(device.clone()).or_insert_with(|| {
-            queue.push_back(device);
-            Pending::default()
-        });
-        if !entry.changes.is_empty() {
+        let State {
+            queue,
+            urgent,
+            pending,
+            ..
+        } = &mut *state;
+        let is_urgent = !matches!(
+            change,
+            StatusChange::NodeReachable | StatusChange::NodeUnreachable { .. }
+        );
+        let entry = pending.entry(device.clone()).or_default();
+        if entry.changes.is_empty() {
+            entry.urgent = is_urgent;
+            match is_urgent {
+                true => urgent.push_back(device),
+                false => queue.push_back(device),
+            }
+        } else {
             self.inner.metrics.coalesced.inc();
+            if is_urgent && !entry.urgent {
+                entry.urgent = true;
+                urgent.push_back(device);
+            }
         }
         entry.changes.push(change);
         entry.completions.extend(completion);
@@ -281,34 +304,18 @@ impl StatusWriter {
         }
     }
 
-    /// The oldest device with changes and no write on its way.
+    /// The oldest device with changes and no write on its way, urgent ones
+    /// first.
     fn next_write(&self) -> Option<(ResourceKey, Pending)> {
         let mut state = self.inner.state.lock().expect("status state");
         let State {
             queue,
+            urgent,
             pending,
             writing,
             ..
         } = &mut *state;
-        let mut busy = Vec::new();
-        let next = loop {
-            let Some(key) = queue.pop_front() else {
-                break None;
-            };
-            if writing.contains(&key) {
-                busy.push(key);
-                continue;
-            }
-            if let Some(changes) = pending.remove(&key) {
-                writing.insert(key.clone());
-                break Some((key, changes));
-            }
-        };
-        // Their turn comes when their write is done.
-        for key in busy.into_iter().rev() {
-            queue.push_front(key);
-        }
-        next
+        pop_ready(urgent, pending, writing).or_else(|| pop_ready(queue, pending, writing))
     }
 
     /// A write of `key` is done: its next changes may go.
@@ -326,17 +333,25 @@ impl StatusWriter {
         let mut state = self.inner.state.lock().expect("status state");
         let State {
             queue,
+            urgent,
             pending: all,
             ..
         } = &mut *state;
         match all.get_mut(&key) {
             Some(newer) => {
+                if pending.urgent && !newer.urgent {
+                    urgent.push_back(key.clone());
+                }
+                pending.urgent |= newer.urgent;
                 pending.changes.append(&mut newer.changes);
                 pending.completions.append(&mut newer.completions);
                 *newer = pending;
             }
             None => {
-                queue.push_back(key.clone());
+                match pending.urgent {
+                    true => urgent.push_back(key.clone()),
+                    false => queue.push_back(key.clone()),
+                }
                 all.insert(key, pending);
             }
         }
@@ -446,6 +461,34 @@ impl StatusWriter {
             .written
             .remove(key);
     }
+}
+
+/// Takes the first device of `queue` with changes pending and no write on
+/// its way; devices with a write on its way keep their place.
+fn pop_ready(
+    queue: &mut VecDeque<ResourceKey>,
+    pending: &mut HashMap<ResourceKey, Pending>,
+    writing: &mut HashSet<ResourceKey>,
+) -> Option<(ResourceKey, Pending)> {
+    let mut busy = Vec::new();
+    let next = loop {
+        let Some(key) = queue.pop_front() else {
+            break None;
+        };
+        if writing.contains(&key) {
+            busy.push(key);
+            continue;
+        }
+        if let Some(changes) = pending.remove(&key) {
+            writing.insert(key.clone());
+            break Some((key, changes));
+        }
+    };
+    // Their turn comes when their write is done.
+    for key in busy.into_iter().rev() {
+        queue.push_front(key);
+    }
+    next
 }
 
 fn complete(completions: &[Completion]) {
@@ -733,6 +776,37 @@ mod tests {
                 seq,
             }),
         }
+    }
+
+    #[tokio::test]
+    async fn data_is_written_before_reachability_flips() {
+        // A client that is never used: nothing here reaches a server.
+        let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
+        let client = Client::try_from(config).unwrap();
+        let (devices, _writer) = kube::runtime::reflector::store::<Device>();
+        let events = Events::new(client.clone(), None, Default::default());
+        let writer = StatusWriter::new(
+            client,
+            devices,
+            NonZeroU32::new(50).unwrap(),
+            StatusMetrics::default(),
+            events,
+        );
+        let key = |n: &str| ResourceKey::device("plant", n);
+        // A node comes back: every device flips Online; then two report.
+        for n in ["a", "b", "c", "d"] {
+            writer.submit(key(n), StatusChange::NodeReachable, None);
+        }
+        writer.submit(key("c"), report(1, 20.0, 1), None);
+        writer.submit(key("e"), report(1, 21.0, 1), None);
+        let order: Vec<String> = std::iter::from_fn(|| writer.next_write())
+            .map(|(k, pending)| {
+                let kinds = pending.changes.len();
+                format!("{}:{kinds}", k.name)
+            })
+            .collect();
+        // c's flip rides along with its report; the rest keep their order.
+        assert_eq!(order, ["c:2", "e:1", "a:1", "b:1", "d:1"]);
     }
 
     #[test]

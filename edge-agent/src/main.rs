@@ -162,6 +162,8 @@ async fn main() -> anyhow::Result<()> {
         "Sync sessions ended because the cloud was silent for 3 heartbeat intervals",
         silent_cloud.clone(),
     );
+    let sync_bytes = edgefleet_agent::sync::MessageBytes::default();
+    sync_bytes.register(&mut registry);
     let settings = SyncSettings {
         cloud: cli.cloud.clone(),
         node: cli.node.clone(),
@@ -169,6 +171,7 @@ async fn main() -> anyhow::Result<()> {
         boot_id: boot_id(),
         heartbeat: edgefleet_shared::heartbeat::Heartbeat::every(heartbeat),
         silent_cloud,
+        bytes: sync_bytes,
     };
     let gauges = {
         let store = store.clone();

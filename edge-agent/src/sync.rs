@@ -18,7 +18,9 @@ use edgefleet_shared::heartbeat::{Heartbeat, PeerWatch};
 use edgefleet_shared::proto::{self, agent_message, cloud_message, resource, uplink_entry};
 use edgefleet_shared::{PropertyValue, ResourceKey};
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use tokio::sync::mpsc;
+use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::store::{DesiredDevice, PendingUplink, Store, StoreError};
@@ -45,6 +47,56 @@ pub struct SyncSettings {
     pub heartbeat: Heartbeat,
     /// Sessions ended because the cloud was silent.
     pub silent_cloud: Counter,
+    /// Protobuf bytes of the messages sent and received, by message kind.
+    pub bytes: MessageBytes,
+}
+
+/// Protobuf bytes on the sync stream by direction and message kind
+/// (`hello`, `update`, `uplink`, …), as the messages encode: what a resync
+/// costs, without the HTTP/2 framing around it.
+#[derive(Clone, Debug, Default)]
+pub struct MessageBytes(Family<Vec<(String, String)>, Counter>);
+
+impl MessageBytes {
+    fn add(&self, direction: &str, kind: &str, bytes: usize) {
+        self.0
+            .get_or_create(&vec![
+                ("direction".to_owned(), direction.to_owned()),
+                ("message".to_owned(), kind.to_owned()),
+            ])
+            .inc_by(bytes as u64);
+    }
+
+    /// Registers the counters as `sync_message_bytes`.
+    pub fn register(&self, registry: &mut prometheus_client::registry::Registry) {
+        registry.register(
+            "sync_message_bytes",
+            "Protobuf bytes of sync messages, by direction (sent, received) and message kind",
+            self.0.clone(),
+        );
+    }
+
+    fn sent(&self, message: &proto::AgentMessage) {
+        let kind = match &message.kind {
+            Some(agent_message::Kind::Hello(_)) => "hello",
+            Some(agent_message::Kind::Ack(_)) => "ack",
+            Some(agent_message::Kind::Nack(_)) => "nack",
+            Some(agent_message::Kind::Uplink(_)) => "uplink",
+            Some(agent_message::Kind::Heartbeat(_)) => "heartbeat",
+            None => "empty",
+        };
+        self.add("sent", kind, prost::Message::encoded_len(message));
+    }
+
+    fn received(&self, message: &proto::CloudMessage) {
+        let kind = match &message.kind {
+            Some(cloud_message::Kind::Update(_)) => "update",
+            Some(cloud_message::Kind::UplinkAck(_)) => "uplink_ack",
+            Some(cloud_message::Kind::Heartbeat(_)) => "heartbeat",
+            None => "empty",
+        };
+        self.add("received", kind, prost::Message::encoded_len(message));
+    }
 }
 
 /// Why a session ended.
@@ -174,7 +226,12 @@ async fn talk(
         store_id: store.store_id().to_owned(),
     };
     send(&tx, agent_message::Kind::Hello(hello)).await?;
-    let mut inbound = client.stream(ReceiverStream::new(rx)).await?.into_inner();
+    let bytes = settings.bytes.clone();
+    let outgoing = ReceiverStream::new(rx).map(move |message| {
+        bytes.sent(&message);
+        message
+    });
+    let mut inbound = client.stream(outgoing).await?.into_inner();
     watch.heard();
     *opened = true;
     tracing::info!(cloud = %settings.cloud, node = %settings.node, "sync stream open");
@@ -190,6 +247,7 @@ async fn talk(
             message = inbound.message() => {
                 let Some(message) = message? else { return Ok(()) };
                 watch.heard();
+                settings.bytes.received(&message);
                 match message.kind {
                     Some(cloud_message::Kind::Update(update)) => apply_update(store, &tx, update).await?,
                     Some(cloud_message::Kind::UplinkAck(ack)) => {

@@ -83,6 +83,7 @@ fn start_agent(controller: &Controller, node: &str, store: &Store) -> tokio::tas
         boot_id: format!("boot-{node}"),
         heartbeat: Default::default(),
         silent_cloud: Default::default(),
+        bytes: Default::default(),
     };
     tokio::spawn(sync::run(settings, store.clone()))
 }
@@ -95,6 +96,17 @@ fn thermostat(node: &str, setpoint: f64) -> DeviceSpec {
         desired: BTreeMap::from([("setpoint".to_owned(), PropertyValue::Float(setpoint))]),
         firmware: None,
     }
+}
+
+/// Creates Device `name`, a thermostat on `node`.
+async fn create_thermostat(devices: &Api<Device>, name: &str, node: &str, setpoint: f64) {
+    devices
+        .create(
+            &PostParams::default(),
+            &Device::new(name, thermostat(node, setpoint)),
+        )
+        .await
+        .unwrap();
 }
 
 fn node_name(hint: &str) -> String {
@@ -114,13 +126,7 @@ async fn a_device_reaches_its_agent_and_its_report_reaches_status() {
     let _agent = start_agent(&controller, &node, &store);
 
     let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
-    devices
-        .create(
-            &PostParams::default(),
-            &Device::new("t1", thermostat(&node, 21.5)),
-        )
-        .await
-        .unwrap();
+    create_thermostat(&devices, "t1", &node, 21.5).await;
     let key = ResourceKey::device(&ns, "t1");
 
     // accepted → delivered: the agent stored it, and status says so.
@@ -201,13 +207,7 @@ async fn a_reconnecting_agent_is_sent_only_the_difference() {
     } = Setup::new("resync").await;
     let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
     for name in ["a", "b", "c", "d"] {
-        devices
-            .create(
-                &PostParams::default(),
-                &Device::new(name, thermostat(&node, 20.0)),
-            )
-            .await
-            .unwrap();
+        create_thermostat(&devices, name, &node, 20.0).await;
     }
 
     let agent = start_agent(&controller, &node, &store);
@@ -246,13 +246,7 @@ async fn a_reconnecting_agent_is_sent_only_the_difference() {
         .await
         .unwrap();
     devices.delete("c", &DeleteParams::default()).await.unwrap();
-    devices
-        .create(
-            &PostParams::default(),
-            &Device::new("e", thermostat(&node, 20.0)),
-        )
-        .await
-        .unwrap();
+    create_thermostat(&devices, "e", &node, 20.0).await;
     // Let the controller's index see all three before the agent returns.
     tokio::time::sleep(Duration::from_millis(500)).await;
 
@@ -344,13 +338,7 @@ async fn device_events_become_kubernetes_events_once_each_and_drops_are_reported
         _dir,
     } = Setup::new("events").await;
     let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
-    devices
-        .create(
-            &PostParams::default(),
-            &Device::new("t1", thermostat(&node, 20.0)),
-        )
-        .await
-        .unwrap();
+    create_thermostat(&devices, "t1", &node, 20.0).await;
     let key = ResourceKey::device(&ns, "t1");
 
     // Offline, with room for 4 events: 6 arrive, the 2 oldest are dropped.
@@ -481,13 +469,7 @@ async fn a_stale_report_never_overwrites_a_newer_one_even_after_a_controller_res
         ..
     } = Setup::new("stale").await;
     let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
-    devices
-        .create(
-            &PostParams::default(),
-            &Device::new("t1", thermostat(&node, 20.0)),
-        )
-        .await
-        .unwrap();
+    create_thermostat(&devices, "t1", &node, 20.0).await;
     let key = ResourceKey::device(&ns, "t1");
     let hello = proto::Hello {
         node: node.clone(),
@@ -566,13 +548,7 @@ async fn the_reconciler_accepts_generations_and_holds_a_deletion_until_the_edge_
     let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
     let key = ResourceKey::device(&ns, "t1");
 
-    devices
-        .create(
-            &PostParams::default(),
-            &Device::new("t1", thermostat(&node, 20.0)),
-        )
-        .await
-        .unwrap();
+    create_thermostat(&devices, "t1", &node, 20.0).await;
     let device = eventually("the finalizer and observedGeneration 1", || async {
         let d = devices.get("t1").await.unwrap();
         let observed = d.status.as_ref()?.observed_generation;
@@ -701,13 +677,7 @@ async fn an_absent_agent_makes_its_node_and_devices_unreachable_until_it_returns
     let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
     let nodes: Api<EdgeNode> = Api::all(client.clone());
     let key = ResourceKey::device(&ns, "t1");
-    devices
-        .create(
-            &PostParams::default(),
-            &Device::new("t1", thermostat(&node, 20.0)),
-        )
-        .await
-        .unwrap();
+    create_thermostat(&devices, "t1", &node, 20.0).await;
     eventually("the agent stores the Device", || async {
         store.desired(&key).unwrap()
     })
