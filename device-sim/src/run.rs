@@ -54,6 +54,11 @@ type EventFlight = Pin<Box<dyn Future<Output = Option<u64>> + Send>>;
 /// before sending it again, and after a failed attempt over CoAP.
 const EVENT_RETRY: Duration = Duration::from_secs(3);
 
+/// How long one attempt to deliver an event over CoAP may take. CoAP's own
+/// retransmissions back off to tens of seconds; an agent that restarted
+/// meanwhile is better asked again at once (it stores each id once).
+const EVENT_ATTEMPT: Duration = Duration::from_secs(6);
+
 /// How long a stopping device waits for its report in flight.
 const STOP_GRACE: Duration = Duration::from_secs(5);
 
@@ -385,7 +390,10 @@ impl Reporter {
                 let retransmission = params.start(rng);
                 let client = Arc::clone(client);
                 Box::pin(async move {
-                    let exchange = client.request(&request, retransmission).await;
+                    let attempt = client.request(&request, retransmission);
+                    let Ok(exchange) = tokio::time::timeout(EVENT_ATTEMPT, attempt).await else {
+                        return None;
+                    };
                     match exchange.result {
                         Ok(response) if response.is_success() => {
                             codec::decode::<EventAck>(&response.payload)
@@ -504,13 +512,11 @@ impl DeviceTask {
                     {
                         acknowledged = Some(sent);
                     }
-                    // And the events still unconfirmed, for as long.
+                    // And the events still unconfirmed, for as long: asked
+                    // afresh, not by waiting out an attempt that may be in
+                    // a long retransmission wait.
+                    drop(event_in_flight.take());
                     let drain = async {
-                        if let Some(flight) = event_in_flight.take()
-                            && let Some(highest) = flight.await
-                        {
-                            self.events.confirmed(highest);
-                        }
                         while let Some(event) = self.events.next() {
                             match self.reporter.send_event(event, &mut self.net_rng).await {
                                 Some(highest) => self.events.confirmed(highest),
