@@ -12,6 +12,7 @@ use edgefleet_shared::heartbeat::Heartbeat;
 use edgefleet_shared::proto::sync_server::SyncServer;
 use futures::StreamExt;
 use kube::runtime::reflector;
+use kube::runtime::utils::ResetTimerBackoff;
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, ResourceExt};
 use tokio::net::TcpListener;
@@ -93,7 +94,7 @@ impl Controller {
             Api::<EdgeNode>::all(client.clone()),
             watcher::Config::default(),
         )
-        .default_backoff()
+        .backoff(watch_backoff())
         .reflect(edge_node_writer);
         tasks.spawn(edge_node_events.for_each(|event| async move {
             if let Err(error) = event {
@@ -181,6 +182,20 @@ impl Controller {
     }
 }
 
+/// How the controller's watches retry: kube-runtime's default backs off to
+/// 30 s, so after an API server outage the controller could notice spec
+/// changes half a minute late. These watches feed every agent, so they
+/// retry within 5 s (one list and watch per retry is cheap for the API
+/// server next to that delay).
+fn watch_backoff() -> ResetTimerBackoff<watcher::ExponentialBackoff> {
+    let retries = backon::ExponentialBuilder::default()
+        .with_min_delay(std::time::Duration::from_millis(200))
+        .with_max_delay(std::time::Duration::from_secs(5))
+        .with_jitter()
+        .without_max_times();
+    ResetTimerBackoff::new(retries.into(), std::time::Duration::from_secs(60))
+}
+
 /// Keeps the index equal to the Devices in the API server.
 async fn feed_index(
     api: Api<Device>,
@@ -190,7 +205,7 @@ async fn feed_index(
 ) {
     let mut relist = Vec::new();
     let events = watcher(api, watcher::Config::default())
-        .default_backoff()
+        .backoff(watch_backoff())
         .reflect(writer);
     futures::pin_mut!(events);
     while let Some(event) = events.next().await {
