@@ -1,38 +1,57 @@
-//! Which agents are connected and which Devices each one holds.
+//! Which agents are connected, and what each one holds.
 //!
-//! "Holds" means the agent said so in its Hello or acknowledged an Update
-//! that carried the Device; an acknowledged removal ends it. The Device
-//! reconciler asks this before it lets a deleted Device go, so that
-//! `kubectl delete` returns once the edge has dropped the device.
+//! "Holds" means the agent said so (in its Hello or Inventory) or
+//! acknowledged an Update that carried the Device; an acknowledged removal
+//! ends it. The Device reconciler asks this before it lets a deleted Device
+//! go, so that `kubectl delete` returns once the edge has dropped the device.
+//!
+//! The holdings outlive the session, with the store they belong to: a
+//! reconnecting agent whose Hello digest matches them is not asked to list
+//! what it holds ([`Agents::remembered`]).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 use std::time::Instant;
 
-use edgefleet_shared::ResourceKey;
+use edgefleet_shared::holdings::HoldingsDigest;
+use edgefleet_shared::{ResourceKey, ResourceVersion};
 
-/// The connected agents, by node name.
+/// The agents this process has talked to, by node name.
 #[derive(Debug, Default)]
 pub struct Agents {
-    nodes: Mutex<HashMap<String, Held>>,
-    // When each node's last session ended (while it has none).
-    gone: Mutex<HashMap<String, Instant>>,
+    nodes: Mutex<HashMap<String, NodeAgent>>,
 }
 
 #[derive(Debug)]
-struct Held {
-    // A reconnecting agent may open its new stream before the old one is
-    // noticed closed; only the newest session speaks for the node.
-    session: u64,
-    keys: HashSet<ResourceKey>,
+struct NodeAgent {
+    // The open session; a reconnecting agent may open its new stream before
+    // the old one is noticed closed, and only the newest session speaks for
+    // the node. `None` while disconnected.
+    session: Option<u64>,
+    // When the last session ended, while there is none.
+    gone_since: Option<Instant>,
+    // The store the holdings are in.
+    store_id: String,
+    held: BTreeMap<ResourceKey, ResourceVersion>,
 }
 
 impl Agents {
-    /// A session for `node` started, its agent holding `held`.
-    pub fn connected(&self, node: &str, session: u64, held: impl IntoIterator<Item = ResourceKey>) {
-        let keys = held.into_iter().collect();
-        self.lock().insert(node.to_owned(), Held { session, keys });
-        self.gone.lock().expect("agents lock").remove(node);
+    /// A session for `node` started, its agent's store `store_id` holding
+    /// `held`.
+    pub fn connected(
+        &self,
+        node: &str,
+        session: u64,
+        store_id: &str,
+        held: BTreeMap<ResourceKey, ResourceVersion>,
+    ) {
+        let agent = NodeAgent {
+            session: Some(session),
+            gone_since: None,
+            store_id: store_id.to_owned(),
+            held,
+        };
+        self.lock().insert(node.to_owned(), agent);
     }
 
     /// The agent acknowledged an Update with these upserts and removals.
@@ -40,49 +59,68 @@ impl Agents {
         &self,
         node: &str,
         session: u64,
-        upserted: impl IntoIterator<Item = &'a ResourceKey>,
+        upserted: impl IntoIterator<Item = &'a (ResourceKey, ResourceVersion)>,
         removed: impl IntoIterator<Item = &'a ResourceKey>,
     ) {
         let mut nodes = self.lock();
-        let Some(held) = nodes.get_mut(node).filter(|h| h.session == session) else {
+        let Some(agent) = nodes.get_mut(node).filter(|a| a.session == Some(session)) else {
             return;
         };
-        held.keys.extend(upserted.into_iter().cloned());
+        for (key, version) in upserted {
+            agent.held.insert(key.clone(), version.clone());
+        }
         for key in removed {
-            held.keys.remove(key);
+            agent.held.remove(key);
         }
     }
 
-    /// The session ended.
+    /// The session ended; the holdings are kept for its next Hello.
     pub fn disconnected(&self, node: &str, session: u64) {
-        let mut nodes = self.lock();
-        if nodes.get(node).is_some_and(|h| h.session == session) {
-            nodes.remove(node);
-            self.gone
-                .lock()
-                .expect("agents lock")
-                .insert(node.to_owned(), Instant::now());
+        if let Some(agent) = self
+            .lock()
+            .get_mut(node)
+            .filter(|a| a.session == Some(session))
+        {
+            agent.session = None;
+            agent.gone_since = Some(Instant::now());
         }
+    }
+
+    /// What `node`'s agent held when this process last heard from it, if
+    /// that was in store `store_id` and matches `digest`: what a Hello with
+    /// that digest holds.
+    pub fn remembered(
+        &self,
+        node: &str,
+        store_id: &str,
+        digest: &HoldingsDigest,
+    ) -> Option<BTreeMap<ResourceKey, ResourceVersion>> {
+        let nodes = self.lock();
+        let agent = nodes.get(node).filter(|a| a.store_id == store_id)?;
+        (HoldingsDigest::of(&agent.held) == *digest).then(|| agent.held.clone())
     }
 
     /// Whether `node`'s agent holds `key`; `None` if no agent of the node is
     /// connected.
     pub fn holds(&self, node: &str, key: &ResourceKey) -> Option<bool> {
-        self.lock().get(node).map(|h| h.keys.contains(key))
+        self.lock()
+            .get(node)
+            .filter(|a| a.session.is_some())
+            .map(|a| a.held.contains_key(key))
     }
 
     /// When the last session of `node` ended, if it has none now and had
     /// one since this process started.
     pub fn disconnected_since(&self, node: &str) -> Option<Instant> {
-        self.gone.lock().expect("agents lock").get(node).copied()
+        self.lock().get(node).and_then(|a| a.gone_since)
     }
 
     /// Whether an agent of `node` is connected.
     pub fn is_connected(&self, node: &str) -> bool {
-        self.lock().contains_key(node)
+        self.lock().get(node).is_some_and(|a| a.session.is_some())
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Held>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, NodeAgent>> {
         self.nodes.lock().expect("agents lock")
     }
 }
@@ -91,37 +129,74 @@ impl Agents {
 mod tests {
     use super::*;
 
+    fn entry(name: &str, generation: i64) -> (ResourceKey, ResourceVersion) {
+        (
+            ResourceKey::device("plant", name),
+            ResourceVersion::new(format!("uid-{name}"), generation),
+        )
+    }
+
     fn key(name: &str) -> ResourceKey {
-        ResourceKey::device("plant", name)
+        entry(name, 1).0
+    }
+
+    fn held(entries: &[(ResourceKey, ResourceVersion)]) -> BTreeMap<ResourceKey, ResourceVersion> {
+        entries.iter().cloned().collect()
+    }
+
+    fn digest(entries: &[(ResourceKey, ResourceVersion)]) -> HoldingsDigest {
+        HoldingsDigest::of(entries.iter().map(|(k, v)| (k, v)))
     }
 
     #[test]
     fn holdings_follow_hello_and_acknowledgements() {
         let agents = Agents::default();
         assert_eq!(agents.holds("edge-1", &key("a")), None);
-        agents.connected("edge-1", 1, [key("a")]);
+        agents.connected("edge-1", 1, "s1", held(&[entry("a", 1)]));
         assert_eq!(agents.holds("edge-1", &key("a")), Some(true));
-        agents.acknowledged("edge-1", 1, &[key("b")], &[key("a")]);
+        agents.acknowledged("edge-1", 1, &[entry("b", 1)], &[key("a")]);
         assert_eq!(agents.holds("edge-1", &key("a")), Some(false));
         assert_eq!(agents.holds("edge-1", &key("b")), Some(true));
         assert_eq!(agents.disconnected_since("edge-1"), None);
         agents.disconnected("edge-1", 1);
         assert_eq!(agents.holds("edge-1", &key("b")), None);
         assert!(agents.disconnected_since("edge-1").is_some());
-        agents.connected("edge-1", 2, []);
+        agents.connected("edge-1", 2, "s1", BTreeMap::new());
         assert_eq!(agents.disconnected_since("edge-1"), None);
     }
 
     #[test]
     fn only_the_newest_session_speaks_for_a_node() {
         let agents = Agents::default();
-        agents.connected("edge-1", 1, [key("a")]);
-        agents.connected("edge-1", 2, [key("a")]);
+        agents.connected("edge-1", 1, "s1", held(&[entry("a", 1)]));
+        agents.connected("edge-1", 2, "s1", held(&[entry("a", 1)]));
         // The old session's late acknowledgement and its end change nothing.
         agents.acknowledged("edge-1", 1, &[], &[key("a")]);
         agents.disconnected("edge-1", 1);
         assert_eq!(agents.holds("edge-1", &key("a")), Some(true));
         agents.disconnected("edge-1", 2);
         assert!(!agents.is_connected("edge-1"));
+    }
+
+    #[test]
+    fn holdings_are_remembered_for_the_same_store_and_digest_only() {
+        let agents = Agents::default();
+        agents.connected("edge-1", 1, "s1", held(&[entry("a", 1), entry("b", 1)]));
+        agents.acknowledged("edge-1", 1, &[entry("b", 2)], &[key("a")]);
+        agents.disconnected("edge-1", 1);
+        let now = [entry("b", 2)];
+        assert_eq!(
+            agents.remembered("edge-1", "s1", &digest(&now)),
+            Some(held(&now))
+        );
+        // An Update the agent applied but whose Ack was lost: it holds more
+        // than the cloud saw acknowledged, so the digest differs.
+        assert_eq!(
+            agents.remembered("edge-1", "s1", &digest(&[entry("b", 3)])),
+            None
+        );
+        // A rebuilt store, another node, a node never seen.
+        assert_eq!(agents.remembered("edge-1", "s2", &digest(&now)), None);
+        assert_eq!(agents.remembered("edge-2", "s1", &digest(&now)), None);
     }
 }

@@ -2,7 +2,10 @@
 //!
 //! A session starts with the agent's Hello, answers it with the difference
 //! between what the agent holds and its node's slice of the index, then sends
-//! each later change as another difference. Reports go to the status writer;
+//! each later change as another difference. The Hello gives the holdings as a
+//! digest: if it matches what this process saw the same store acknowledge
+//! (see [`Agents`]), that is what the agent holds; otherwise (a restarted
+//! controller, a lost Ack) the session asks for the list first. Reports go to the status writer;
 //! an uplink sequence number is acknowledged only once every entry up to it is
 //! durable in the API server. An agent silent for 3 heartbeat intervals
 //! (see [`edgefleet_shared::heartbeat`]) has its session ended, counted and
@@ -15,6 +18,7 @@ use std::time::Duration;
 
 use edgefleet_shared::api::ReportOrigin;
 use edgefleet_shared::heartbeat::{Heartbeat, PeerWatch};
+use edgefleet_shared::holdings::HoldingsDigest;
 use edgefleet_shared::proto::{self, agent_message, cloud_message, resource, uplink_entry};
 use edgefleet_shared::telemetry::Outcomes;
 use edgefleet_shared::{ResourceKey, ResourceVersion};
@@ -52,6 +56,10 @@ pub struct SyncMetrics {
     pub refused: Outcomes,
     /// Nacks received.
     pub nacks: Counter,
+    /// Hellos by how the agent's holdings became known: `listed` in the
+    /// Hello, `empty`, `remembered` (the digest matched what this process
+    /// saw acknowledged) or `inventory` (asked for the list).
+    pub hellos: Outcomes,
     /// Sessions ended because the agent was silent for 3 heartbeat
     /// intervals (or sent no Hello within them).
     pub silent_agents: Counter,
@@ -75,6 +83,11 @@ impl SyncMetrics {
         self.refused
             .register(registry, "refused", "Agent input refused, by reason");
         registry.register("nacks", "Updates agents refused", self.nacks.clone());
+        self.hellos.register(
+            registry,
+            "hellos",
+            "Agent Hellos by how their holdings became known (listed, empty, remembered, inventory)",
+        );
         registry.register(
             "silent_agents",
             "Agent sessions ended because the agent was silent for 3 heartbeat intervals",
@@ -174,18 +187,18 @@ impl proto::sync_server::Sync for SyncService {
                 hello.node
             )));
         }
-        let mut held = BTreeMap::new();
-        for h in &hello.held {
-            let key: ResourceKey = h.key.parse().map_err(|e| {
-                self.metrics.refused.inc("bad_held_key");
-                Status::invalid_argument(format!("Hello from {}: {e}", hello.node))
-            })?;
-            let version = h.version.as_ref().ok_or_else(|| {
-                Status::invalid_argument(format!("Hello from {}: {key} has no version", hello.node))
-            })?;
-            held.insert(key, version.into());
-        }
-        tracing::info!(node = %hello.node, agent = %hello.agent_version, boot = %hello.boot_id, store = %hello.store_id, held = held.len(), "agent connected");
+        let opening = if hello.held.is_empty() {
+            Opening::Digest(
+                HoldingsDigest::from_parts(&hello.held_digest, hello.held_count)
+                    .filter(|_| hello.held_count > 0),
+            )
+        } else {
+            Opening::Listed(parse_held(&hello.held).map_err(|(reason, message)| {
+                self.metrics.refused.inc(reason);
+                Status::invalid_argument(format!("Hello from {}: {message}", hello.node))
+            })?)
+        };
+        tracing::info!(node = %hello.node, agent = %hello.agent_version, boot = %hello.boot_id, store = %hello.store_id, held = hello.held_count.max(hello.held.len() as u32), "agent connected");
 
         let mut node_status = NodeStatus::new(self.client.clone(), &hello.node);
         if let Err(error) = node_status
@@ -195,23 +208,17 @@ impl proto::sync_server::Sync for SyncService {
             tracing::warn!(node = %hello.node, %error, "could not record the EdgeNode's connection");
         }
         let (tx, rx) = mpsc::channel(16);
-        let id = self.sessions.fetch_add(1, Ordering::Relaxed);
-        self.agents.connected(&hello.node, id, held.keys().cloned());
-        // Devices marked unreachable while the node was away are back (a
-        // change that alters nothing costs no write).
-        for key in self.index.devices_of(&hello.node) {
-            self.status.submit(key, StatusChange::NodeReachable, None);
-        }
         let session = Session {
-            id,
+            id: self.sessions.fetch_add(1, Ordering::Relaxed),
             agents: Arc::clone(&self.agents),
+            index: Arc::clone(&self.index),
             events: self.events.clone(),
             device_events: self.device_events.clone(),
             store_id: hello.store_id,
             node_status,
             desired: self.index.subscribe(&hello.node),
             node: hello.node,
-            sent: held,
+            sent: BTreeMap::new(),
             in_flight: HashMap::new(),
             next_nonce: 1,
             uplink: UplinkWatermark::default(),
@@ -219,9 +226,37 @@ impl proto::sync_server::Sync for SyncService {
             metrics: Arc::clone(&self.metrics),
             heartbeat: self.heartbeat,
         };
-        tokio::spawn(session.run(inbound, tx));
+        tokio::spawn(session.run(opening, inbound, tx));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
+}
+
+/// What a Hello says the agent holds.
+enum Opening {
+    /// Listed in full.
+    Listed(BTreeMap<ResourceKey, ResourceVersion>),
+    /// As a digest; `None` for nothing held.
+    Digest(Option<HoldingsDigest>),
+}
+
+/// The held resources of a Hello or an Inventory, or the refusal's counter
+/// label and message.
+fn parse_held(
+    list: &[proto::HeldResource],
+) -> Result<BTreeMap<ResourceKey, ResourceVersion>, (&'static str, String)> {
+    list.iter()
+        .map(|h| {
+            let key: ResourceKey = h
+                .key
+                .parse()
+                .map_err(|e| ("bad_held_key", format!("{e}")))?;
+            let version = h
+                .version
+                .as_ref()
+                .ok_or_else(|| ("bad_held_key", format!("{key} has no version")))?;
+            Ok((key, version.into()))
+        })
+        .collect()
 }
 
 /// A Kubernetes node name: a DNS-1123 subdomain.
@@ -241,6 +276,7 @@ fn is_node_name(name: &str) -> bool {
 struct Session {
     id: u64,
     agents: Arc<Agents>,
+    index: Arc<Index>,
     events: Events,
     device_events: DeviceEvents,
     // The agent's store: its uplink sequence numbers count within it.
@@ -260,7 +296,12 @@ struct Session {
 }
 
 impl Session {
-    async fn run(mut self, mut inbound: Streaming<proto::AgentMessage>, tx: Outbound) {
+    async fn run(
+        mut self,
+        opening: Opening,
+        mut inbound: Streaming<proto::AgentMessage>,
+        tx: Outbound,
+    ) {
         self.metrics.streams.inc();
         let (done_tx, mut done_rx) = mpsc::unbounded_channel();
         let mut heartbeat = tokio::time::interval(self.heartbeat.interval);
@@ -280,6 +321,17 @@ impl Session {
             Err::<(), _>(format!("agent silent for {silent:?}"))
         };
         let talk = async {
+            let held = self
+                .holdings(opening, &mut inbound, &tx, &done_tx, &watch)
+                .await?;
+            self.agents
+                .connected(&self.node, self.id, &self.store_id, held.clone());
+            self.sent = held;
+            // Devices marked unreachable while the node was away are back (a
+            // change that alters nothing costs no write).
+            for key in self.index.devices_of(&self.node) {
+                self.status.submit(key, StatusChange::NodeReachable, None);
+            }
             self.desired.mark_changed();
             loop {
                 tokio::select! {
@@ -319,6 +371,59 @@ impl Session {
         match result {
             Ok(()) => tracing::info!(node = %self.node, "agent disconnected"),
             Err(reason) => tracing::warn!(node = %self.node, %reason, "agent stream ended"),
+        }
+    }
+
+    /// What the agent holds: listed in its Hello; or, for a digest, what
+    /// this process saw that store acknowledge if the digest matches, or
+    /// else the Inventory it asks for. Messages arriving meanwhile (the
+    /// outbox, heartbeats) are handled as usual.
+    async fn holdings(
+        &mut self,
+        opening: Opening,
+        inbound: &mut Streaming<proto::AgentMessage>,
+        tx: &Outbound,
+        done: &mpsc::UnboundedSender<u64>,
+        watch: &PeerWatch,
+    ) -> Result<BTreeMap<ResourceKey, ResourceVersion>, String> {
+        let digest = match opening {
+            Opening::Listed(held) => {
+                self.metrics.hellos.inc("listed");
+                return Ok(held);
+            }
+            Opening::Digest(None) => {
+                self.metrics.hellos.inc("empty");
+                return Ok(BTreeMap::new());
+            }
+            Opening::Digest(Some(digest)) => digest,
+        };
+        if let Some(held) = self.agents.remembered(&self.node, &self.store_id, &digest) {
+            self.metrics.hellos.inc("remembered");
+            return Ok(held);
+        }
+        self.metrics.hellos.inc("inventory");
+        tracing::info!(node = %self.node, store = %self.store_id, held = digest.count(), "the agent's holdings are not what this controller remembers: asking for its inventory");
+        send(
+            tx,
+            cloud_message::Kind::InventoryRequest(proto::InventoryRequest {}),
+        )
+        .await?;
+        loop {
+            let message = match inbound.message().await {
+                Ok(Some(message)) => message,
+                Ok(None) => return Err("the agent left before sending its inventory".into()),
+                Err(status) => return Err(format!("stream error: {status}")),
+            };
+            watch.heard();
+            match message.kind {
+                Some(agent_message::Kind::Inventory(inventory)) => {
+                    return parse_held(&inventory.held).map_err(|(reason, message)| {
+                        self.metrics.refused.inc(reason);
+                        format!("inventory: {message}")
+                    });
+                }
+                kind => self.handle(proto::AgentMessage { kind }, done).await?,
+            }
         }
     }
 
@@ -371,7 +476,7 @@ impl Session {
                 self.agents.acknowledged(
                     &self.node,
                     self.id,
-                    carried.upserts.iter().map(|(key, _)| key),
+                    &carried.upserts,
                     &carried.removals,
                 );
                 for (key, version) in carried.upserts {
@@ -454,6 +559,7 @@ impl Session {
                 }
             }
             Some(agent_message::Kind::Hello(_)) => return Err("a second Hello".into()),
+            Some(agent_message::Kind::Inventory(_)) => self.metrics.refused.inc("unasked_inventory"),
             None => self.metrics.refused.inc("empty_message"),
         }
         Ok(())

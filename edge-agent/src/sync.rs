@@ -1,4 +1,5 @@
-//! The sync client: dials the cloud, says what the store holds, applies
+//! The sync client: dials the cloud, says what the store holds (a digest,
+//! and the list when the cloud asks for it), applies
 //! updates durably before acknowledging them, and sends the outbox up.
 //!
 //! The connection is retried forever with exponential backoff and jitter; the
@@ -15,6 +16,7 @@ use backon::{BackoffBuilder, ExponentialBuilder};
 use edgefleet_shared::api::Transport;
 use edgefleet_shared::codec::FirmwareOrder;
 use edgefleet_shared::heartbeat::{Heartbeat, PeerWatch};
+use edgefleet_shared::holdings::HoldingsDigest;
 use edgefleet_shared::proto::{self, agent_message, cloud_message, resource, uplink_entry};
 use edgefleet_shared::{PropertyValue, ResourceKey};
 use prometheus_client::metrics::counter::Counter;
@@ -53,7 +55,9 @@ pub struct SyncSettings {
 
 /// Protobuf bytes on the sync stream by direction and message kind
 /// (`hello`, `update`, `uplink`, …), as the messages encode: what a resync
-/// costs, without the HTTP/2 framing around it.
+/// costs, without the HTTP/2 framing around it. Uplink entries that were
+/// already queued when the session opened count as `uplink_backlog`, the
+/// rest as `uplink`.
 #[derive(Clone, Debug, Default)]
 pub struct MessageBytes(Family<Vec<(String, String)>, Counter>);
 
@@ -76,16 +80,32 @@ impl MessageBytes {
         );
     }
 
-    fn sent(&self, message: &proto::AgentMessage) {
+    /// Counts a sent message; uplink entries up to `backlog_up_to` were
+    /// queued before the session opened.
+    fn sent(&self, message: &proto::AgentMessage, backlog_up_to: u64) {
+        let total = prost::Message::encoded_len(message);
         let kind = match &message.kind {
             Some(agent_message::Kind::Hello(_)) => "hello",
             Some(agent_message::Kind::Ack(_)) => "ack",
             Some(agent_message::Kind::Nack(_)) => "nack",
-            Some(agent_message::Kind::Uplink(_)) => "uplink",
+            Some(agent_message::Kind::Uplink(uplink)) => {
+                let backlog: usize = uplink
+                    .entries
+                    .iter()
+                    .filter(|e| e.seq <= backlog_up_to)
+                    .map(|e| prost::encoding::message::encoded_len(1, e))
+                    .sum();
+                if backlog > 0 {
+                    self.add("sent", "uplink_backlog", backlog);
+                }
+                self.add("sent", "uplink", total - backlog);
+                return;
+            }
             Some(agent_message::Kind::Heartbeat(_)) => "heartbeat",
+            Some(agent_message::Kind::Inventory(_)) => "inventory",
             None => "empty",
         };
-        self.add("sent", kind, prost::Message::encoded_len(message));
+        self.add("sent", kind, total);
     }
 
     fn received(&self, message: &proto::CloudMessage) {
@@ -93,6 +113,7 @@ impl MessageBytes {
             Some(cloud_message::Kind::Update(_)) => "update",
             Some(cloud_message::Kind::UplinkAck(_)) => "uplink_ack",
             Some(cloud_message::Kind::Heartbeat(_)) => "heartbeat",
+            Some(cloud_message::Kind::InventoryRequest(_)) => "inventory_request",
             None => "empty",
         };
         self.add("received", kind, prost::Message::encoded_len(message));
@@ -210,25 +231,23 @@ async fn talk(
         })?;
     let mut client = proto::sync_client::SyncClient::new(channel);
     let (tx, rx) = mpsc::channel(16);
-    let held = store
-        .held()?
-        .into_iter()
-        .map(|(key, version)| proto::HeldResource {
-            key: key.to_string(),
-            version: Some((&version).into()),
-        })
-        .collect();
+    // What the store holds goes as a digest; the cloud asks for the list
+    // if the digest is not what it remembers.
+    let digest = HoldingsDigest::of(store.held()?.iter().map(|(k, v)| (k, v)));
     let hello = proto::Hello {
         node: settings.node.clone(),
         agent_version: settings.agent_version.clone(),
         boot_id: settings.boot_id.clone(),
-        held,
+        held: Vec::new(),
         store_id: store.store_id().to_owned(),
+        held_digest: digest.to_bytes(),
+        held_count: digest.count(),
     };
     send(&tx, agent_message::Kind::Hello(hello)).await?;
     let bytes = settings.bytes.clone();
+    let backlog_up_to = store.last_seq()?;
     let outgoing = ReceiverStream::new(rx).map(move |message| {
-        bytes.sent(&message);
+        bytes.sent(&message, backlog_up_to);
         message
     });
     let mut inbound = client.stream(outgoing).await?.into_inner();
@@ -252,6 +271,18 @@ async fn talk(
                     Some(cloud_message::Kind::Update(update)) => apply_update(store, &tx, update).await?,
                     Some(cloud_message::Kind::UplinkAck(ack)) => {
                         store.acknowledge_uplink(ack.seq).await?;
+                    }
+                    Some(cloud_message::Kind::InventoryRequest(_)) => {
+                        let held = store
+                            .held()?
+                            .into_iter()
+                            .map(|(key, version)| proto::HeldResource {
+                                key: key.to_string(),
+                                version: Some((&version).into()),
+                            })
+                            .collect();
+                        tracing::info!(cloud = %settings.cloud, "the cloud asked what this agent holds");
+                        send(&tx, agent_message::Kind::Inventory(proto::Inventory { held })).await?;
                     }
                     Some(cloud_message::Kind::Heartbeat(_)) | None => {}
                 }

@@ -7,7 +7,8 @@
 //!   [`topics`]: the MQTT topics it travels on;
 //! - [`version`], [`property`], [`key`]: the small value types all of them use;
 //! - [`telemetry`]: the operator endpoints and log setup every process shares;
-//! - [`heartbeat`]: dead-peer detection on the sync stream.
+//! - [`heartbeat`]: dead-peer detection on the sync stream;
+//! - [`holdings`]: the digest of what an agent holds, for a short Hello.
 
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
@@ -15,6 +16,7 @@
 pub mod api;
 pub mod codec;
 pub mod heartbeat;
+pub mod holdings;
 pub mod key;
 pub mod property;
 pub mod proto;

@@ -97,6 +97,8 @@ mod tests {
                     version: Some((&Version::new("u1", 3)).into()),
                 }],
                 store_id: "s1".into(),
+                held_digest: vec![7; 16],
+                held_count: 1,
             })),
         };
         let back = AgentMessage::decode(hello.encode_to_vec().as_slice()).unwrap();

@@ -250,7 +250,7 @@ async fn a_reconnecting_agent_is_sent_only_the_difference() {
     // Let the controller's index see all three before the agent returns.
     tokio::time::sleep(Duration::from_millis(500)).await;
 
-    let _agent = start_agent(&controller, &node, &store);
+    let agent = start_agent(&controller, &node, &store);
     eventually("the agent holds exactly a, b@2, d, e", || async {
         let held: Vec<(String, i64)> = store
             .held()
@@ -267,6 +267,41 @@ async fn a_reconnecting_agent_is_sent_only_the_difference() {
     let n = edge_nodes.get(&node).await.unwrap();
     assert_eq!(ready(&n), (true, Some("True".into())));
     assert_eq!(n.status.unwrap().agent_version.as_deref(), Some("test"));
+    // The Hellos said what the store holds as a digest; this controller saw
+    // the store acknowledge what it holds, so it never asked for a list.
+    let hellos = &controller.sync_metrics.hellos;
+    assert_eq!(hellos.get("empty"), 1, "the first Hello: an empty store");
+    assert!(hellos.get("remembered") >= 1, "the reconnect: the digest matched");
+    assert_eq!(hellos.get("inventory"), 0);
+
+    // A new controller remembers nothing: it asks for the list, and still
+    // sends only what changed meanwhile.
+    agent.abort();
+    let _ = agent.await;
+    drop(controller);
+    let patch = json!({ "spec": { "desired": { "setpoint": 24.0 } } });
+    devices
+        .patch("d", &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
+    let controller = start_controller(&client, &ns).await;
+    let _agent = start_agent(&controller, &node, &store);
+    let d = ResourceKey::device(&ns, "d");
+    eventually("the agent holds d@2", || async {
+        store
+            .desired(&d)
+            .unwrap()
+            .filter(|d| d.version.generation == 2)
+    })
+    .await;
+    assert!(controller.sync_metrics.hellos.get("inventory") >= 1);
+    assert_eq!(controller.sync_metrics.hellos.get("remembered"), 0);
+    assert_eq!(
+        controller.sync_metrics.resources_sent.get(),
+        1,
+        "only d (changed) is sent to the agent that listed what it holds"
+    );
+    assert_eq!(store.held().unwrap().len(), 4);
 }
 
 #[tokio::test]
@@ -475,8 +510,8 @@ async fn a_stale_report_never_overwrites_a_newer_one_even_after_a_controller_res
         node: node.clone(),
         agent_version: "raw".into(),
         boot_id: "b1".into(),
-        held: vec![],
         store_id: "store-x".into(),
+        ..Default::default()
     };
     let temperature = |d: &Device| {
         d.status
