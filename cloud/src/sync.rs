@@ -473,12 +473,8 @@ impl Session {
         match message.kind {
             Some(agent_message::Kind::Ack(ack)) => {
                 let carried = self.in_flight.remove(&ack.nonce).unwrap_or_default();
-                self.agents.acknowledged(
-                    &self.node,
-                    self.id,
-                    &carried.upserts,
-                    &carried.removals,
-                );
+                self.agents
+                    .acknowledged(&self.node, self.id, &carried.upserts, &carried.removals);
                 for (key, version) in carried.upserts {
                     let change = StatusChange::Delivered {
                         uid: version.uid,
@@ -520,6 +516,13 @@ impl Session {
                 }
             }
             Some(agent_message::Kind::Uplink(uplink)) => {
+                if self.uplink.outstanding() + uplink.entries.len() > proto::UPLINK_WINDOW {
+                    self.metrics.refused.inc("uplink_window_exceeded");
+                    return Err(format!(
+                        "the agent sent more than {} uplink entries without waiting for acknowledgements",
+                        proto::UPLINK_WINDOW
+                    ));
+                }
                 for entry in uplink.entries {
                     self.metrics.uplink_entries.inc();
                     self.uplink.received(entry.seq);
@@ -559,7 +562,9 @@ impl Session {
                 }
             }
             Some(agent_message::Kind::Hello(_)) => return Err("a second Hello".into()),
-            Some(agent_message::Kind::Inventory(_)) => self.metrics.refused.inc("unasked_inventory"),
+            Some(agent_message::Kind::Inventory(_)) => {
+                self.metrics.refused.inc("unasked_inventory")
+            }
             None => self.metrics.refused.inc("empty_message"),
         }
         Ok(())
@@ -676,6 +681,11 @@ impl UplinkWatermark {
             self.outstanding.insert(seq);
             self.highest = self.highest.max(seq);
         }
+    }
+
+    /// Entries received and not yet durable.
+    pub fn outstanding(&self) -> usize {
+        self.outstanding.len()
     }
 
     /// An entry is durable. Returns the new acknowledgement, if it moved.

@@ -9,7 +9,7 @@
 //! session, which is counted and logged; HTTP/2 PINGs and TCP keepalive back
 //! it up.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
 
 use backon::{BackoffBuilder, ExponentialBuilder};
@@ -256,12 +256,12 @@ async fn talk(
     tracing::info!(cloud = %settings.cloud, node = %settings.node, "sync stream open");
     let _link = LinkUp::new(store);
 
-    // The highest outbox seq sent in this session; a new session resends
-    // whatever is still unacknowledged.
-    let mut sent_up_to = 0;
+    // What this session sent and the cloud has not acknowledged yet; a new
+    // session resends whatever is still unacknowledged.
+    let mut in_flight = InFlight::default();
     let mut heartbeat = tokio::time::interval(settings.heartbeat.interval);
     loop {
-        send_outbox(store, &tx, &mut sent_up_to).await?;
+        send_outbox(store, &tx, &mut in_flight).await?;
         tokio::select! {
             message = inbound.message() => {
                 let Some(message) = message? else { return Ok(()) };
@@ -271,6 +271,7 @@ async fn talk(
                     Some(cloud_message::Kind::Update(update)) => apply_update(store, &tx, update).await?,
                     Some(cloud_message::Kind::UplinkAck(ack)) => {
                         store.acknowledge_uplink(ack.seq).await?;
+                        in_flight.acknowledged(ack.seq);
                     }
                     Some(cloud_message::Kind::InventoryRequest(_)) => {
                         let held = store
@@ -402,12 +403,41 @@ fn desired_device(resource: &proto::Resource) -> Result<(ResourceKey, DesiredDev
     ))
 }
 
-/// Sends outbox entries after `sent_up_to`, in batches; events dropped at
-/// the bound since the last call go up as an entry of their own.
+/// The uplink entries sent in this session and not yet acknowledged, at
+/// most [`proto::UPLINK_WINDOW`].
+#[derive(Debug, Default)]
+struct InFlight {
+    seqs: VecDeque<u64>,
+    sent_up_to: u64,
+}
+
+impl InFlight {
+    /// How many more entries may go now.
+    fn room(&self) -> usize {
+        proto::UPLINK_WINDOW.saturating_sub(self.seqs.len())
+    }
+
+    fn sent(&mut self, seqs: impl IntoIterator<Item = u64>) {
+        for seq in seqs {
+            self.seqs.push_back(seq);
+            self.sent_up_to = seq;
+        }
+    }
+
+    fn acknowledged(&mut self, up_to: u64) {
+        while self.seqs.front().is_some_and(|seq| *seq <= up_to) {
+            self.seqs.pop_front();
+        }
+    }
+}
+
+/// Sends outbox entries not sent yet in this session, in batches, as long
+/// as the window has room; events dropped at the bound since the last call
+/// go up as an entry of their own.
 async fn send_outbox(
     store: &Store,
     tx: &mpsc::Sender<proto::AgentMessage>,
-    sent_up_to: &mut u64,
+    in_flight: &mut InFlight,
 ) -> Result<(), SyncError> {
     if let Some(seq) = store.seal_dropped().await? {
         tracing::warn!(
@@ -416,11 +446,15 @@ async fn send_outbox(
         );
     }
     loop {
-        let batch = store.pending_uplink(*sent_up_to, UPLINK_BATCH)?;
-        let Some((last, _)) = batch.last() else {
+        let room = in_flight.room().min(UPLINK_BATCH);
+        if room == 0 {
             return Ok(());
-        };
-        *sent_up_to = *last;
+        }
+        let batch = store.pending_uplink(in_flight.sent_up_to, room)?;
+        if batch.is_empty() {
+            return Ok(());
+        }
+        in_flight.sent(batch.iter().map(|(seq, _)| *seq));
         let entries = batch
             .into_iter()
             .map(|(seq, pending)| proto::UplinkEntry {
@@ -478,4 +512,25 @@ async fn send(
     tx.send(proto::AgentMessage { kind: Some(kind) })
         .await
         .map_err(|_| SyncError::Closed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_window_closes_when_full_and_opens_with_acknowledgements() {
+        let mut in_flight = InFlight::default();
+        assert_eq!(in_flight.room(), proto::UPLINK_WINDOW);
+        // Sequence numbers have gaps where reports were compacted.
+        in_flight.sent((1..=proto::UPLINK_WINDOW as u64).map(|n| n * 2));
+        assert_eq!(in_flight.room(), 0);
+        assert_eq!(in_flight.sent_up_to, proto::UPLINK_WINDOW as u64 * 2);
+        in_flight.acknowledged(9); // covers 2, 4, 6, 8
+        assert_eq!(in_flight.room(), 4);
+        in_flight.acknowledged(9); // a repeated acknowledgement frees nothing
+        assert_eq!(in_flight.room(), 4);
+        in_flight.acknowledged(u64::MAX);
+        assert_eq!(in_flight.room(), proto::UPLINK_WINDOW);
+    }
 }

@@ -8,6 +8,13 @@ mod generated {
 
 pub use generated::*;
 
+/// Most uplink entries an agent has sent and not yet seen acknowledged. An
+/// agent waits for UplinkAcks before sending more; the cloud ends the
+/// session of an agent that has more outstanding, so what one agent makes
+/// the cloud hold (status changes, Events waiting for the API server) is
+/// bounded however large its outbox.
+pub const UPLINK_WINDOW: usize = 2048;
+
 use crate::property::PropertyValue as Value;
 use crate::version::ResourceVersion as Version;
 

@@ -271,7 +271,10 @@ async fn a_reconnecting_agent_is_sent_only_the_difference() {
     // the store acknowledge what it holds, so it never asked for a list.
     let hellos = &controller.sync_metrics.hellos;
     assert_eq!(hellos.get("empty"), 1, "the first Hello: an empty store");
-    assert!(hellos.get("remembered") >= 1, "the reconnect: the digest matched");
+    assert!(
+        hellos.get("remembered") >= 1,
+        "the reconnect: the digest matched"
+    );
     assert_eq!(hellos.get("inventory"), 0);
 
     // A new controller remembers nothing: it asks for the list, and still
@@ -417,6 +420,95 @@ async fn device_events_become_kubernetes_events_once_each_and_drops_are_reported
     .await;
     let ids = edge_events::device_event_ids(&client, &ns).await.unwrap();
     assert_eq!(ids.get("t1"), Some(&vec![3, 4, 5, 6, 7]), "{ids:?}");
+}
+
+#[tokio::test]
+async fn an_outbox_larger_than_the_uplink_window_drains_and_an_agent_ignoring_the_window_is_cut_off()
+ {
+    let Setup {
+        client,
+        ns,
+        controller,
+        store,
+        node,
+        _dir,
+    } = Setup::new("window").await;
+    let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
+    create_thermostat(&devices, "t1", &node, 20.0).await;
+    let key = ResourceKey::device(&ns, "t1");
+
+    // More events queued offline than one window holds: the agent sends a
+    // window, waits for acknowledgements, sends more.
+    let count = proto::UPLINK_WINDOW as u64 + 300;
+    for id in 1..=count {
+        store
+            .record_event(&key, event(id), 1_700_000_000_000 + id as i64)
+            .await
+            .unwrap();
+    }
+    let _agent = start_agent(&controller, &node, &store);
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    while store.outbox_depth() > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the outbox did not drain: {} left",
+            store.outbox_depth()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let refused = || {
+        controller
+            .sync_metrics
+            .refused
+            .get("uplink_window_exceeded")
+    };
+    assert_eq!(refused(), 0);
+    let ids = edge_events::device_event_ids(&client, &ns).await.unwrap();
+    assert_eq!(ids.get("t1"), Some(&(1..=count).collect::<Vec<_>>()));
+
+    // A peer that does not wait is cut off and counted; the controller
+    // stays up for everyone else.
+    let hello = proto::Hello {
+        node: node_name("edge-greedy"),
+        agent_version: "raw".into(),
+        boot_id: "b".into(),
+        store_id: "store-greedy".into(),
+        ..Default::default()
+    };
+    let mut greedy = RawAgent::connect(&controller, hello).await;
+    let entries = (1..=proto::UPLINK_WINDOW as u64 + 1)
+        .map(|seq| proto::UplinkEntry {
+            seq,
+            body: Some(proto::uplink_entry::Body::Event(proto::Event {
+                device_key: key.to_string(),
+                reason: "SelfCheck".into(),
+                device_event_id: count + seq,
+                ..Default::default()
+            })),
+        })
+        .collect();
+    greedy
+        .send(proto::agent_message::Kind::Uplink(proto::Uplink {
+            entries,
+        }))
+        .await;
+    let ended = tokio::time::timeout(edgefleet_tests::PATIENCE, async {
+        loop {
+            match greedy.inbound.message().await {
+                Ok(Some(_)) => continue,
+                Ok(None) | Err(_) => return,
+            }
+        }
+    })
+    .await;
+    assert!(ended.is_ok(), "the greedy stream was not ended");
+    assert_eq!(refused(), 1);
+    let ids = edge_events::device_event_ids(&client, &ns).await.unwrap();
+    assert_eq!(
+        ids["t1"].len() as u64,
+        count,
+        "nothing of the refused batch was created"
+    );
 }
 
 /// A sync stream driven by hand, to send what a real agent never would.
