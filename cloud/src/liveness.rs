@@ -7,7 +7,7 @@
 //! A node counts as gone from the moment its last stream ended here, or,
 //! for nodes no agent has connected to since this controller started, from
 //! its EdgeNode's `lastHeartbeat` (coarse: up to
-//! [`HEARTBEAT_RESOLUTION`](crate::edge_node::HEARTBEAT_RESOLUTION) old even
+//! [`HEARTBEAT_RESOLUTION`] old even
 //! while connected, so that much more grace is given). Device changes go
 //! through the status writer, so a site going dark costs its Devices'
 //! writes within the budget.

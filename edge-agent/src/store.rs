@@ -343,11 +343,6 @@ impl Store {
         self
     }
 
-    /// The bound of events in the outbox.
-    pub fn max_events(&self) -> u64 {
-        self.max_events
-    }
-
     /// Names this store for good: a rebuilt store has another id, and
     /// sequence numbers count within one store.
     pub fn store_id(&self) -> &str {

@@ -69,7 +69,6 @@ struct Counters {
 #[derive(Debug)]
 pub struct FaultProxy {
     addr: SocketAddr,
-    target: SocketAddr,
     mode: watch::Sender<Mode>,
     counters: Arc<Counters>,
     accept: JoinHandle<()>,
@@ -97,7 +96,6 @@ impl FaultProxy {
         ));
         Ok(FaultProxy {
             addr,
-            target,
             mode,
             counters,
             accept,
@@ -107,11 +105,6 @@ impl FaultProxy {
     /// Where clients connect.
     pub fn addr(&self) -> SocketAddr {
         self.addr
-    }
-
-    /// Where the proxy forwards to.
-    pub fn target(&self) -> SocketAddr {
-        self.target
     }
 
     /// Closes every connection and refuses new ones until [`heal`](Self::heal).
@@ -128,11 +121,6 @@ impl FaultProxy {
     /// Forwards again.
     pub fn heal(&self) {
         self.set(Mode::Forward);
-    }
-
-    /// The current mode.
-    pub fn mode(&self) -> Mode {
-        *self.mode.borrow()
     }
 
     /// The counters so far.

@@ -11,7 +11,11 @@
 //!   Device at its latest generation applied;
 //! - the bytes on the sync connection during that resync, against a full
 //!   resend measured in the same run: the same agent restarted on an empty
-//!   store, which must be sent every Device and send every device's report.
+//!   store, which must be sent every Device and send every device's report;
+//!   both as all the traffic until convergence and as the resync messages
+//!   alone (without the reports devices made after the reconnect);
+//! - the same after the controller is killed and restarted while the same
+//!   Devices change again: the new controller asks for the agent's list.
 //!
 //! By default nothing is compressed: devices report every 10 s and the agent
 //! is cut off for 30 minutes (`--offline-seconds` shortens it; the outbox
@@ -150,6 +154,37 @@ async fn main() -> anyhow::Result<()> {
     let resync_messages = MessageBytes::read(&stack).await?.minus(&messages_before);
     let online_at = wait_all_online(&devices).await?;
 
+    // The controller killed (-9) while the same Devices change again: the
+    // new one remembers nothing, so it asks the agent for its list.
+    let messages_before_restart = MessageBytes::read(&stack).await?;
+    let before_restart = stack.agents[0].proxy.as_ref().context("no proxy")?.stats();
+    let patch_again = serde_json::json!({ "spec": { "desired": { "setpoint": 24.5 } } });
+    let restart_started = Instant::now();
+    stack
+        .kill_and_restart_cloud_after(|| async {
+            for name in &changed {
+                if let Err(error) = devices
+                    .patch(name, &PatchParams::default(), &Patch::Merge(&patch_again))
+                    .await
+                {
+                    eprintln!("patch {name}: {error}");
+                }
+            }
+        })
+        .await?;
+    let restart_reconnected_at = wait_reconnect(&stack, before_restart).await?;
+    wait_all_applied(
+        &devices,
+        cli.devices,
+        "after the controller restart",
+        PATIENCE,
+    )
+    .await?;
+    let restart_converged_at = Instant::now();
+    let restart_messages = MessageBytes::read(&stack)
+        .await?
+        .minus(&messages_before_restart);
+
     // The same agent on an empty store: everything is sent again.
     let before_full = stack.agents[0].proxy.as_ref().context("no proxy")?.stats();
     let full_started = Instant::now();
@@ -203,12 +238,30 @@ async fn main() -> anyhow::Result<()> {
         full_took.as_secs_f64()
     ));
     out.line(&format!(
+        "resync bytes (protobuf: Hello, inventory, the difference sent down, the backlog sent up, acknowledgements): {} = {:.1}% of a full resend ({}: every Device sent down, every device's report sent up)",
+        kib(resync_messages.resync() as u64),
+        100.0 * resync_messages.resync() / full_messages.full_resend().max(1.0),
+        kib(full_messages.full_resend() as u64),
+    ));
+    out.line(&format!(
         "  by message (protobuf bytes): resync {}",
         resync_messages.describe()
     ));
     out.line(&format!(
         "                               full resend {}",
         full_messages.describe()
+    ));
+    out.line(&format!(
+        "controller killed and restarted, {} Devices changed meanwhile: agent reconnected {:.1} s after the kill, converged {:.1} s later; resync bytes {} = {:.1}% of a full resend",
+        changed.len(),
+        (restart_reconnected_at - restart_started).as_secs_f64(),
+        (restart_converged_at - restart_reconnected_at).as_secs_f64(),
+        kib(restart_messages.resync() as u64),
+        100.0 * restart_messages.resync() / full_messages.full_resend().max(1.0),
+    ));
+    out.line(&format!(
+        "  by message (protobuf bytes): {}",
+        restart_messages.describe()
     ));
     std::fs::write(cli.dir.join("results.txt"), &out.text)?;
     Ok(())
@@ -218,14 +271,41 @@ async fn main() -> anyhow::Result<()> {
 struct MessageBytes(Vec<(&'static str, f64)>);
 
 impl MessageBytes {
-    const KINDS: [(&'static str, &'static str); 6] = [
+    const KINDS: [(&'static str, &'static str); 9] = [
         ("sent", "hello"),
-        ("sent", "uplink"),
-        ("sent", "ack"),
-        ("sent", "heartbeat"),
+        ("received", "inventory_request"),
+        ("sent", "inventory"),
         ("received", "update"),
+        ("sent", "ack"),
+        ("sent", "uplink_backlog"),
         ("received", "uplink_ack"),
+        ("sent", "uplink"),
+        ("sent", "heartbeat"),
     ];
+
+    fn get(&self, kind: &str) -> f64 {
+        self.0
+            .iter()
+            .find(|(k, _)| *k == kind)
+            .map_or(0.0, |(_, bytes)| *bytes)
+    }
+
+    /// What resynchronising costs: everything but the reports made after
+    /// the reconnect (`uplink`), which go up with or without an outage, and
+    /// heartbeats.
+    fn resync(&self) -> f64 {
+        self.0
+            .iter()
+            .filter(|(kind, _)| !matches!(*kind, "uplink" | "heartbeat"))
+            .map(|(_, bytes)| bytes)
+            .sum()
+    }
+
+    /// What a full resend costs: every Device down and every device's
+    /// report up, with the messages around them (all but heartbeats).
+    fn full_resend(&self) -> f64 {
+        self.resync() + self.get("uplink")
+    }
 
     async fn read(stack: &Stack) -> anyhow::Result<MessageBytes> {
         let (_, body) = http_get(stack.agents[0].metrics, "/metrics").await?;
