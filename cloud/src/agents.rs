@@ -7,14 +7,19 @@
 //!
 //! The holdings outlive the session, with the store they belong to: a
 //! reconnecting agent whose Hello digest matches them is not asked to list
-//! what it holds ([`Agents::remembered`]).
+//! what it holds ([`Agents::remembered`]). A controller that has just
+//! started remembers nothing, but the Devices' statuses say what was
+//! delivered where ([`delivered_to`]); a digest that matches those needs no
+//! list either.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 use std::time::Instant;
 
+use edgefleet_shared::api::Device;
 use edgefleet_shared::holdings::HoldingsDigest;
 use edgefleet_shared::{ResourceKey, ResourceVersion};
+use kube::ResourceExt;
 
 /// The agents this process has talked to, by node name.
 #[derive(Debug, Default)]
@@ -125,6 +130,26 @@ impl Agents {
     }
 }
 
+/// What `node`'s agent holds according to the Devices' statuses: every
+/// Device on the node, deleted or not, with its delivered generation. It is
+/// right unless a delivery or removal acknowledged just before a restart
+/// had not reached status yet, or a Device moved between nodes; the Hello
+/// digest tells.
+pub fn delivered_to<'a>(
+    node: &str,
+    devices: impl IntoIterator<Item = &'a Device>,
+) -> BTreeMap<ResourceKey, ResourceVersion> {
+    devices
+        .into_iter()
+        .filter(|d| d.spec.node == node)
+        .filter_map(|d| {
+            let generation = d.status.as_ref()?.delivered_generation?;
+            let key = ResourceKey::device(d.namespace()?, d.name_any());
+            Some((key, ResourceVersion::new(d.uid()?, generation)))
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -176,6 +201,40 @@ mod tests {
         assert_eq!(agents.holds("edge-1", &key("a")), Some(true));
         agents.disconnected("edge-1", 2);
         assert!(!agents.is_connected("edge-1"));
+    }
+
+    #[test]
+    fn device_statuses_say_what_was_delivered_where() {
+        use edgefleet_shared::api::{DeviceSpec, DeviceStatus, Transport};
+        let device = |name: &str, node: &str, delivered: Option<i64>| {
+            let mut d = Device::new(
+                name,
+                DeviceSpec {
+                    node: node.into(),
+                    model: "thermostat".into(),
+                    transport: Transport::Coap,
+                    desired: Default::default(),
+                    firmware: None,
+                },
+            );
+            d.metadata.namespace = Some("plant".into());
+            d.metadata.uid = Some(format!("uid-{name}"));
+            d.status = Some(DeviceStatus {
+                delivered_generation: delivered,
+                ..Default::default()
+            });
+            d
+        };
+        let devices = [
+            device("a", "edge-1", Some(3)),
+            device("b", "edge-1", None), // not delivered yet
+            device("c", "edge-2", Some(1)),
+        ];
+        assert_eq!(
+            delivered_to("edge-1", &devices),
+            held(&[entry("a", 3)]),
+            "only what was delivered to this node"
+        );
     }
 
     #[test]

@@ -24,7 +24,7 @@ use crate::events::{EventMetrics, Events};
 use crate::index::Index;
 use crate::reconcile::{self, Context};
 use crate::status::{StatusMetrics, StatusWriter};
-use crate::sync::{SyncMetrics, SyncService};
+use crate::sync::{SyncMetrics, SyncParts, SyncService};
 
 /// What the controller needs to start.
 #[derive(Debug)]
@@ -138,15 +138,16 @@ impl Controller {
             settings.device_event_metrics,
         );
         let beat = settings.heartbeat;
-        let service = SyncService::new(
+        let service = SyncService::new(SyncParts {
             client,
             index,
-            status.clone(),
+            devices,
+            status: status.clone(),
             agents,
             events,
             device_events,
-            Arc::clone(&sync_metrics),
-        )
+            metrics: Arc::clone(&sync_metrics),
+        })
         .with_heartbeat(beat);
         // Dead connections close below the heartbeat rule too: HTTP/2 PINGs
         // and TCP keepalive (set on the incoming connections: tonic ignores

@@ -16,19 +16,21 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use edgefleet_shared::api::Device;
 use edgefleet_shared::api::ReportOrigin;
 use edgefleet_shared::heartbeat::{Heartbeat, PeerWatch};
 use edgefleet_shared::holdings::HoldingsDigest;
 use edgefleet_shared::proto::{self, agent_message, cloud_message, resource, uplink_entry};
 use edgefleet_shared::telemetry::Outcomes;
 use edgefleet_shared::{ResourceKey, ResourceVersion};
+use kube::runtime::reflector;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::agents::Agents;
+use crate::agents::{Agents, delivered_to};
 use crate::device_events::{DeviceEvent, DeviceEvents, DroppedNotice};
 use crate::edge_node::NodeStatus;
 use crate::events::{Events, Note, device_reference};
@@ -58,7 +60,8 @@ pub struct SyncMetrics {
     pub nacks: Counter,
     /// Hellos by how the agent's holdings became known: `listed` in the
     /// Hello, `empty`, `remembered` (the digest matched what this process
-    /// saw acknowledged) or `inventory` (asked for the list).
+    /// saw acknowledged), `recovered` (it matched what the Devices' statuses
+    /// say was delivered) or `inventory` (asked for the list).
     pub hellos: Outcomes,
     /// Sessions ended because the agent was silent for 3 heartbeat
     /// intervals (or sent no Hello within them).
@@ -86,7 +89,7 @@ impl SyncMetrics {
         self.hellos.register(
             registry,
             "hellos",
-            "Agent Hellos by how their holdings became known (listed, empty, remembered, inventory)",
+            "Agent Hellos by how their holdings became known (listed, empty, remembered, recovered, inventory)",
         );
         registry.register(
             "silent_agents",
@@ -101,6 +104,7 @@ impl SyncMetrics {
 pub struct SyncService {
     client: kube::Client,
     index: Arc<Index>,
+    devices: reflector::Store<Device>,
     status: StatusWriter,
     agents: Arc<Agents>,
     events: Events,
@@ -110,22 +114,47 @@ pub struct SyncService {
     heartbeat: Heartbeat,
 }
 
+/// What the sync service works with.
+#[derive(Clone)]
+pub struct SyncParts {
+    /// For EdgeNodes.
+    pub client: kube::Client,
+    /// The desired state by node.
+    pub index: Arc<Index>,
+    /// The Device reflector's store, for what their statuses say was
+    /// delivered.
+    pub devices: reflector::Store<Device>,
+    /// Where reports go.
+    pub status: StatusWriter,
+    /// Which agents hold what.
+    pub agents: Arc<Agents>,
+    /// The controller's own Events.
+    pub events: Events,
+    /// Where device events go.
+    pub device_events: DeviceEvents,
+    /// The counters.
+    pub metrics: Arc<SyncMetrics>,
+}
+
 impl SyncService {
-    /// A service serving `index`, writing reports through `status`, device
-    /// events through `device_events` and EdgeNodes with `client`, keeping
-    /// `agents` up to date.
-    pub fn new(
-        client: kube::Client,
-        index: Arc<Index>,
-        status: StatusWriter,
-        agents: Arc<Agents>,
-        events: Events,
-        device_events: DeviceEvents,
-        metrics: Arc<SyncMetrics>,
-    ) -> Self {
+    /// A service serving `parts.index`, writing reports through
+    /// `parts.status`, device events through `parts.device_events` and
+    /// EdgeNodes with `parts.client`, keeping `parts.agents` up to date.
+    pub fn new(parts: SyncParts) -> Self {
+        let SyncParts {
+            client,
+            index,
+            devices,
+            status,
+            agents,
+            events,
+            device_events,
+            metrics,
+        } = parts;
         SyncService {
             client,
             index,
+            devices,
             status,
             agents,
             events,
@@ -140,6 +169,12 @@ impl SyncService {
     /// agent is silent for 3 of them.
     pub fn with_heartbeat(self, heartbeat: Heartbeat) -> Self {
         SyncService { heartbeat, ..self }
+    }
+}
+
+impl std::fmt::Debug for SyncParts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SyncParts").finish_non_exhaustive()
     }
 }
 
@@ -212,6 +247,7 @@ impl proto::sync_server::Sync for SyncService {
             id: self.sessions.fetch_add(1, Ordering::Relaxed),
             agents: Arc::clone(&self.agents),
             index: Arc::clone(&self.index),
+            devices: self.devices.clone(),
             events: self.events.clone(),
             device_events: self.device_events.clone(),
             store_id: hello.store_id,
@@ -277,6 +313,7 @@ struct Session {
     id: u64,
     agents: Arc<Agents>,
     index: Arc<Index>,
+    devices: reflector::Store<Device>,
     events: Events,
     device_events: DeviceEvents,
     // The agent's store: its uplink sequence numbers count within it.
@@ -400,6 +437,11 @@ impl Session {
         if let Some(held) = self.agents.remembered(&self.node, &self.store_id, &digest) {
             self.metrics.hellos.inc("remembered");
             return Ok(held);
+        }
+        let delivered = delivered_to(&self.node, self.devices.state().iter().map(|d| &**d));
+        if HoldingsDigest::of(&delivered) == digest {
+            self.metrics.hellos.inc("recovered");
+            return Ok(delivered);
         }
         self.metrics.hellos.inc("inventory");
         tracing::info!(node = %self.node, store = %self.store_id, held = digest.count(), "the agent's holdings are not what this controller remembers: asking for its inventory");

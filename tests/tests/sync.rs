@@ -277,8 +277,20 @@ async fn a_reconnecting_agent_is_sent_only_the_difference() {
     );
     assert_eq!(hellos.get("inventory"), 0);
 
-    // A new controller remembers nothing: it asks for the list, and still
-    // sends only what changed meanwhile.
+    // A new controller remembers nothing, but the Devices' statuses say
+    // what was delivered: the digest matches them, so no list is needed,
+    // and only what changed meanwhile is sent.
+    eventually("status shows every delivery", || async {
+        let list = devices.list(&Default::default()).await.ok()?;
+        list.items
+            .iter()
+            .all(|d| {
+                let delivered = d.status.as_ref().and_then(|s| s.delivered_generation);
+                delivered.is_some() && delivered == d.metadata.generation
+            })
+            .then_some(())
+    })
+    .await;
     agent.abort();
     let _ = agent.await;
     drop(controller);
@@ -297,12 +309,13 @@ async fn a_reconnecting_agent_is_sent_only_the_difference() {
             .filter(|d| d.version.generation == 2)
     })
     .await;
-    assert!(controller.sync_metrics.hellos.get("inventory") >= 1);
+    assert!(controller.sync_metrics.hellos.get("recovered") >= 1);
     assert_eq!(controller.sync_metrics.hellos.get("remembered"), 0);
+    assert_eq!(controller.sync_metrics.hellos.get("inventory"), 0);
     assert_eq!(
         controller.sync_metrics.resources_sent.get(),
         1,
-        "only d (changed) is sent to the agent that listed what it holds"
+        "only d (changed) is sent"
     );
     assert_eq!(store.held().unwrap().len(), 4);
 }
@@ -511,6 +524,68 @@ async fn an_outbox_larger_than_the_uplink_window_drains_and_an_agent_ignoring_th
     );
 }
 
+#[tokio::test]
+async fn a_hello_digest_that_matches_nothing_known_is_answered_by_asking_for_the_list() {
+    let Setup {
+        client,
+        ns,
+        controller,
+        node,
+        ..
+    } = Setup::new("inventory").await;
+    let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
+    for name in ["a", "b"] {
+        create_thermostat(&devices, name, &node, 20.0).await;
+    }
+    let uid = |d: &Device| d.metadata.uid.clone().unwrap();
+    let a = devices.get("a").await.unwrap();
+    // The agent holds a as it is, and "ghost", which the cloud never had.
+    let held = vec![
+        proto::HeldResource {
+            key: ResourceKey::device(&ns, "a").to_string(),
+            version: Some((&edgefleet_shared::ResourceVersion::new(uid(&a), 1)).into()),
+        },
+        proto::HeldResource {
+            key: ResourceKey::device(&ns, "ghost").to_string(),
+            version: Some((&edgefleet_shared::ResourceVersion::new("gone", 4)).into()),
+        },
+    ];
+    let hello = proto::Hello {
+        node: node.clone(),
+        agent_version: "raw".into(),
+        boot_id: "b".into(),
+        store_id: "store-inventory".into(),
+        held_digest: vec![0xab; 16],
+        held_count: 2,
+        ..Default::default()
+    };
+    let mut agent = RawAgent::connect(&controller, hello).await;
+    let first = agent.next().await;
+    assert!(
+        matches!(first, Some(proto::cloud_message::Kind::InventoryRequest(_))),
+        "{first:?}"
+    );
+    agent
+        .send(proto::agent_message::Kind::Inventory(proto::Inventory {
+            held,
+        }))
+        .await;
+    let update = loop {
+        match agent.next().await {
+            Some(proto::cloud_message::Kind::Update(update)) => break update,
+            Some(proto::cloud_message::Kind::Heartbeat(_)) => continue,
+            other => panic!("expected the difference, got {other:?}"),
+        }
+    };
+    let upserts: Vec<&str> = update.upserts.iter().map(|r| r.key.as_str()).collect();
+    assert_eq!(upserts, [ResourceKey::device(&ns, "b").to_string()]);
+    assert_eq!(
+        update.removals,
+        [ResourceKey::device(&ns, "ghost").to_string()]
+    );
+    assert_eq!(controller.sync_metrics.hellos.get("inventory"), 1);
+}
+
 /// A sync stream driven by hand, to send what a real agent never would.
 struct RawAgent {
     tx: tokio::sync::mpsc::Sender<proto::AgentMessage>,
@@ -537,6 +612,16 @@ impl RawAgent {
 
     async fn send(&self, kind: proto::agent_message::Kind) {
         self.tx.send(agent_message(kind)).await.unwrap();
+    }
+
+    /// The next message from the cloud; `None` once the stream ended.
+    async fn next(&mut self) -> Option<proto::cloud_message::Kind> {
+        tokio::time::timeout(edgefleet_tests::PATIENCE, self.inbound.message())
+            .await
+            .expect("the cloud said nothing")
+            .ok()
+            .flatten()
+            .and_then(|m| m.kind)
     }
 
     /// Acks every Update and returns once an UplinkAck reaches `seq`.
