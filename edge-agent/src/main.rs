@@ -180,7 +180,7 @@ async fn main() -> anyhow::Result<()> {
             loop {
                 tick.tick().await;
                 outbox_depth.set(store.outbox_depth() as i64);
-                devices.set(store.held().map(|h| h.len() as i64).unwrap_or(-1));
+                devices.set(store.device_count() as i64);
                 events_queued.set(store.events_queued() as i64);
                 last_seq.set(store.last_seq().map(|n| n as i64).unwrap_or(-1));
                 oldest_pending.set(match store.oldest_pending_seq() {

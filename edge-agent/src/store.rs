@@ -355,6 +355,11 @@ impl Store {
             .map(|devices| devices.into_iter().map(|(k, d)| (k, d.version)).collect())
     }
 
+    /// How many devices the agent holds (counts keys, decodes nothing).
+    pub fn device_count(&self) -> usize {
+        self.desired.len()
+    }
+
     /// Every device the agent holds, in key order.
     pub fn devices(&self) -> Result<Vec<(ResourceKey, DesiredDevice)>, StoreError> {
         self.desired

@@ -294,7 +294,7 @@ async fn talk(
                     sent_at_ms: edgefleet_shared::now_unix_ms(),
                     outbox_depth: store.outbox_depth() as u64,
                     events_dropped: store.events_dropped_total()?,
-                    device_count: store.held()?.len() as u32,
+                    device_count: store.device_count() as u32,
                 };
                 send(&tx, agent_message::Kind::Heartbeat(beat)).await?;
             }

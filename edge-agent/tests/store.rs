@@ -66,6 +66,7 @@ async fn desired_state_survives_a_reopen_and_removals_apply() {
     );
     assert_eq!(store.desired(&a).unwrap(), Some(thermostat("ua", 2, 21.0)));
     assert_eq!(store.desired(&b).unwrap(), None);
+    assert_eq!(store.device_count(), 1);
 }
 
 #[tokio::test]
