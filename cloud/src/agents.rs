@@ -205,20 +205,10 @@ mod tests {
 
     #[test]
     fn device_statuses_say_what_was_delivered_where() {
-        use edgefleet_shared::api::{DeviceSpec, DeviceStatus, Transport};
+        use edgefleet_shared::api::DeviceStatus;
         let device = |name: &str, node: &str, delivered: Option<i64>| {
-            let mut d = Device::new(
-                name,
-                DeviceSpec {
-                    node: node.into(),
-                    model: "thermostat".into(),
-                    transport: Transport::Coap,
-                    desired: Default::default(),
-                    firmware: None,
-                },
-            );
-            d.metadata.namespace = Some("plant".into());
-            d.metadata.uid = Some(format!("uid-{name}"));
+            let uid = format!("uid-{name}");
+            let mut d = crate::index::tests::device("plant", name, node, &uid, 3);
             d.status = Some(DeviceStatus {
                 delivered_generation: delivered,
                 ..Default::default()

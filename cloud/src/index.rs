@@ -217,12 +217,13 @@ pub fn difference(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use edgefleet_shared::api::DeviceSpec;
     use proptest::prelude::*;
 
-    fn device(ns: &str, name: &str, node: &str, uid: &str, generation: i64) -> Device {
+    /// A thermostat Device as the API server would return it.
+    pub(crate) fn device(ns: &str, name: &str, node: &str, uid: &str, generation: i64) -> Device {
         let mut d = Device::new(
             name,
             DeviceSpec {
