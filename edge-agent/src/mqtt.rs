@@ -118,7 +118,12 @@ pub async fn run(broker: BrokerAddress, node: String, store: Store, metrics: Arc
     );
     options
         .set_keep_alive(Duration::from_secs(20))
-        .set_clean_session(true)
+        // A persistent session under a client id fixed per node: while the
+        // agent is down (crashed, restarting) an external broker keeps its
+        // subscriptions and queues the devices' reports and events for it,
+        // and redelivers whatever was delivered but not yet acknowledged
+        // (acknowledged only once durable, see `set_manual_acks`).
+        .set_clean_session(false)
         .set_manual_acks(true)
         .set_max_packet_size(CLIENT_MAX_PACKET, CLIENT_MAX_PACKET)
         .set_request_channel_capacity(1024);

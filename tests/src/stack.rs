@@ -262,8 +262,20 @@ impl Stack {
         index: usize,
         restart: u32,
     ) -> anyhow::Result<()> {
+        self.kill_agent(index);
+        self.start_agent_again(index, restart).await
+    }
+
+    /// Kills agent `index` with SIGKILL and leaves it down.
+    pub fn kill_agent(&mut self, index: usize) {
+        self.agents[index].process.kill();
+    }
+
+    /// Starts agent `index` again (after [`Stack::kill_agent`]) with the
+    /// same flags, store and ports; `restart` numbers its log file. Returns
+    /// once it answers `/healthz`.
+    pub async fn start_agent_again(&mut self, index: usize, restart: u32) -> anyhow::Result<()> {
         let agent = &mut self.agents[index];
-        agent.process.kill();
         agent.process = start_agent(&self.spec.dir, &agent.node, &agent.args, restart)?;
         wait_http(
             agent.metrics,

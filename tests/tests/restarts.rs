@@ -366,3 +366,122 @@ async fn a_restarted_embedded_broker_loses_no_spec_and_the_last_reports_arrive()
     converge_exactly(&mut stack, &devices, DEVICES, dir).await;
     stack.shutdown();
 }
+
+/// A report published to Mosquitto while the agent is down (killed, not
+/// yet restarted) is kept by the broker in the agent's persistent session
+/// and stored by the agent when it is back: the broker's PUBACK to the
+/// device is not a promise the agent breaks by crashing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_report_published_while_the_agent_is_down_reaches_status_through_mosquitto() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut mosquitto = Mosquitto::start(dir.path());
+    mosquitto.wait_listening().await;
+    let cp = edgefleet_tests::control_plane();
+    let client = cp.client().await;
+    let ns = test_namespace(&client, "restart-session").await;
+    let spec = spec("sess", &ns, 1, 1, dir.path());
+    let node = spec.nodes[0].clone();
+    let mut stack = Stack::start_with_broker(spec, cp.kubeconfig(), Some(mosquitto.addr))
+        .await
+        .unwrap();
+    stack.apply_devices(&client).await.unwrap();
+    let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
+    let name = devices.list(&Default::default()).await.unwrap().items[0]
+        .metadata
+        .name
+        .clone()
+        .unwrap();
+    let key = edgefleet_shared::ResourceKey::device(&ns, &name);
+    let temperature = |d: &Device| {
+        d.status
+            .as_ref()
+            .and_then(|s| s.reported.get("temperature"))
+            .and_then(edgefleet_shared::PropertyValue::as_f64)
+    };
+    let shows = |value: f64| {
+        let devices = devices.clone();
+        let name = name.clone();
+        move || {
+            let (devices, name) = (devices.clone(), name.clone());
+            async move {
+                let d = devices.get(&name).await.ok()?;
+                (temperature(&d) == Some(value)).then_some(())
+            }
+        }
+    };
+
+    let device = FakeMqttDevice::connect(mosquitto.addr).await;
+    device.report(&node, &key, 1.0).await;
+    within(RECOVERY, "status shows the first report", shows(1.0)).await;
+
+    stack.kill_agent(0);
+    device.report(&node, &key, 2.0).await;
+    stack.start_agent_again(0, 1).await.unwrap();
+    within(
+        RECOVERY,
+        "status shows the report published while the agent was down",
+        shows(2.0),
+    )
+    .await;
+    stack.shutdown();
+    mosquitto.kill();
+}
+
+/// An MQTT device played by the test: publishes a report and returns once
+/// the broker acknowledged it.
+struct FakeMqttDevice {
+    client: rumqttc::AsyncClient,
+    acked: tokio::sync::Mutex<tokio::sync::mpsc::Receiver<()>>,
+}
+
+impl FakeMqttDevice {
+    async fn connect(broker: SocketAddr) -> FakeMqttDevice {
+        let options = rumqttc::MqttOptions::new(
+            format!("fake-device-{}", std::process::id()),
+            broker.ip().to_string(),
+            broker.port(),
+        );
+        let (client, mut events) = rumqttc::AsyncClient::new(options, 16);
+        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        tokio::spawn(async move {
+            loop {
+                match events.poll().await {
+                    Ok(rumqttc::Event::Incoming(rumqttc::Packet::PubAck(_))) => {
+                        let _ = tx.send(()).await;
+                    }
+                    Ok(_) => {}
+                    Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+                }
+            }
+        });
+        FakeMqttDevice {
+            client,
+            acked: tokio::sync::Mutex::new(rx),
+        }
+    }
+
+    async fn report(&self, node: &str, key: &edgefleet_shared::ResourceKey, temperature: f64) {
+        let report = edgefleet_shared::codec::DeviceReport {
+            applied_generation: 1,
+            properties: [(
+                "temperature".to_owned(),
+                edgefleet_shared::PropertyValue::Float(temperature),
+            )]
+            .into(),
+            firmware_version: None,
+        };
+        let payload = edgefleet_shared::codec::encode(&report).unwrap();
+        self.client
+            .publish(
+                edgefleet_shared::topics::report(node, key),
+                rumqttc::QoS::AtLeastOnce,
+                false,
+                payload,
+            )
+            .await
+            .unwrap();
+        tokio::time::timeout(PATIENCE, self.acked.lock().await.recv())
+            .await
+            .expect("the broker acknowledged the report");
+    }
+}
