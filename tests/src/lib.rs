@@ -19,6 +19,7 @@ pub mod edge_events;
 pub mod fault;
 pub mod final_state;
 pub mod fleet_view;
+pub mod mosquitto;
 pub mod process;
 pub mod stack;
 

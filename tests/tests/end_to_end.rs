@@ -11,6 +11,7 @@ use coap_lite::{CoapOption, MessageClass, MessageType, Packet, RequestType, Resp
 use edgefleet_shared::api::{Device, DevicePhase, DeviceSpec, Transport};
 use edgefleet_shared::codec::{self, DesiredState, DeviceReport};
 use edgefleet_shared::{PropertyValue, ResourceKey, topics};
+use edgefleet_tests::mosquitto::Mosquitto;
 use edgefleet_tests::process::{Process, binary, free_tcp_addr, free_udp_addr, http_get, metric};
 use edgefleet_tests::{PATIENCE, control_plane, eventually, test_namespace};
 use kube::Api;
@@ -372,33 +373,12 @@ async fn a_device_report_over_coap_reaches_device_status_and_bad_input_is_refuse
     .await;
 }
 
-/// Starts Debian's Mosquitto on a loopback port; killed when dropped.
-fn start_mosquitto(dir: &std::path::Path) -> (Process, SocketAddr) {
-    let addr = free_tcp_addr();
-    let conf = dir.join("mosquitto.conf");
-    std::fs::write(
-        &conf,
-        format!(
-            "listener {} {}\nallow_anonymous true\npersistence false\n",
-            addr.port(),
-            addr.ip()
-        ),
-    )
-    .unwrap();
-    let mosquitto = ["/usr/sbin/mosquitto", "/usr/bin/mosquitto"]
-        .into_iter()
-        .find(|p| std::path::Path::new(p).exists())
-        .expect("mosquitto is installed (Debian package `mosquitto`; .ci/run installs it)");
-    (
-        Process::start_path(mosquitto, &["-c".into(), conf.display().to_string()]),
-        addr,
-    )
-}
-
 #[tokio::test]
 async fn with_mosquitto_an_mqtt_device_gets_desired_state_and_its_reports_reach_status() {
     let broker_dir = tempfile::tempdir().unwrap();
-    let (_mosquitto, broker) = start_mosquitto(broker_dir.path());
+    let mosquitto = Mosquitto::start(broker_dir.path());
+    mosquitto.wait_listening().await;
+    let broker = mosquitto.addr;
     let site = Site::start("e2e-mosquitto", Broker::External(broker)).await;
     let devices = site.devices();
     let key = ResourceKey::device(&site.ns, "m1");

@@ -15,7 +15,7 @@ use edgefleet_shared::api::{Device, EdgeNode};
 use edgefleet_tests::edge_events::wait_exactly_once;
 use edgefleet_tests::final_state::{read_final_state, wait_converged};
 use edgefleet_tests::fleet_view::applied_current_generation;
-use edgefleet_tests::process::{Process, free_tcp_addr};
+use edgefleet_tests::mosquitto::Mosquitto;
 use edgefleet_tests::stack::{Stack, StackSpec};
 use edgefleet_tests::{PATIENCE, RestartableControlPlane, test_namespace};
 use kube::api::{Patch, PatchParams};
@@ -233,63 +233,6 @@ async fn the_api_server_restarted_twice_loses_no_report_and_no_spec() {
     .await;
     assert_ne!(boot, first_boot);
     stack.shutdown();
-}
-
-/// Debian's Mosquitto on a fixed loopback port, which can be killed and
-/// started again on that port.
-struct Mosquitto {
-    addr: SocketAddr,
-    conf: PathBuf,
-    process: Option<Process>,
-}
-
-impl Mosquitto {
-    fn start(dir: &Path) -> Mosquitto {
-        let addr = free_tcp_addr();
-        let conf = dir.join("mosquitto.conf");
-        // No persistence: a restart forgets retained messages and sessions,
-        // so the agent must publish desired state again.
-        std::fs::write(
-            &conf,
-            format!(
-                "listener {} {}\nallow_anonymous true\npersistence false\n",
-                addr.port(),
-                addr.ip()
-            ),
-        )
-        .unwrap();
-        let mut mosquitto = Mosquitto {
-            addr,
-            conf,
-            process: None,
-        };
-        mosquitto.restart();
-        mosquitto
-    }
-
-    fn kill(&mut self) {
-        if let Some(mut process) = self.process.take() {
-            process.kill();
-        }
-    }
-
-    fn restart(&mut self) {
-        let program = ["/usr/sbin/mosquitto", "/usr/bin/mosquitto"]
-            .into_iter()
-            .find(|p| Path::new(p).exists())
-            .expect("mosquitto is installed (Debian package `mosquitto`; .ci/run installs it)");
-        self.process = Some(Process::start_path(
-            program,
-            &["-c".into(), self.conf.display().to_string()],
-        ));
-    }
-
-    async fn wait_listening(&self) {
-        within(PATIENCE, "Mosquitto listens", || async {
-            tokio::net::TcpStream::connect(self.addr).await.ok()
-        })
-        .await;
-    }
 }
 
 /// MQTT devices report through Mosquitto, which is killed twice and started
