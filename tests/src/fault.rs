@@ -231,41 +231,19 @@ async fn forward(
         let dropping = current == Mode::BlackHole;
         tokio::select! {
             read = client_rx.read(&mut up), if client_open => {
-                let n = match read {
-                    Ok(0) | Err(_) if dropping => {
-                        (client_open, lost) = (false, true);
-                        continue;
-                    }
-                    Ok(0) | Err(_) => return,
-                    Ok(n) => n,
-                };
-                if dropping {
-                    lost = true;
-                    counters.bytes_dropped.fetch_add(n as u64, Ordering::Relaxed);
-                } else {
-                    if upstream_tx.write_all(&up[..n]).await.is_err() {
-                        return;
-                    }
-                    counters.bytes_up.fetch_add(n as u64, Ordering::Relaxed);
+                match pass(read, &up, &mut upstream_tx, dropping, &counters.bytes_up, &counters).await {
+                    Pass::Passed => {}
+                    Pass::Dropped => lost = true,
+                    Pass::ClosedWhileDropping => (client_open, lost) = (false, true),
+                    Pass::End => return,
                 }
             }
             read = upstream_rx.read(&mut down), if upstream_open => {
-                let n = match read {
-                    Ok(0) | Err(_) if dropping => {
-                        (upstream_open, lost) = (false, true);
-                        continue;
-                    }
-                    Ok(0) | Err(_) => return,
-                    Ok(n) => n,
-                };
-                if dropping {
-                    lost = true;
-                    counters.bytes_dropped.fetch_add(n as u64, Ordering::Relaxed);
-                } else {
-                    if client_tx.write_all(&down[..n]).await.is_err() {
-                        return;
-                    }
-                    counters.bytes_down.fetch_add(n as u64, Ordering::Relaxed);
+                match pass(read, &down, &mut client_tx, dropping, &counters.bytes_down, &counters).await {
+                    Pass::Passed => {}
+                    Pass::Dropped => lost = true,
+                    Pass::ClosedWhileDropping => (upstream_open, lost) = (false, true),
+                    Pass::End => return,
                 }
             }
             changed = mode.changed() => {
@@ -279,6 +257,46 @@ async fn forward(
             }
         }
     }
+}
+
+/// What became of one read from one side of a forwarded connection.
+enum Pass {
+    /// Written to the other side.
+    Passed,
+    /// Swallowed by the black hole.
+    Dropped,
+    /// The side closed during a black hole; the other is kept open.
+    ClosedWhileDropping,
+    /// The connection is over.
+    End,
+}
+
+/// Forwards what one read returned to `to`, or drops it in a black hole,
+/// counting either.
+async fn pass(
+    read: std::io::Result<usize>,
+    buf: &[u8],
+    to: &mut tokio::net::tcp::OwnedWriteHalf,
+    dropping: bool,
+    forwarded: &AtomicU64,
+    counters: &Counters,
+) -> Pass {
+    let n = match read {
+        Ok(0) | Err(_) if dropping => return Pass::ClosedWhileDropping,
+        Ok(0) | Err(_) => return Pass::End,
+        Ok(n) => n,
+    };
+    if dropping {
+        counters
+            .bytes_dropped
+            .fetch_add(n as u64, Ordering::Relaxed);
+        return Pass::Dropped;
+    }
+    if to.write_all(&buf[..n]).await.is_err() {
+        return Pass::End;
+    }
+    forwarded.fetch_add(n as u64, Ordering::Relaxed);
+    Pass::Passed
 }
 
 #[cfg(test)]
