@@ -222,16 +222,20 @@ impl proto::sync_server::Sync for SyncService {
                 hello.node
             )));
         }
-        let opening = if hello.held.is_empty() {
-            Opening::Digest(
-                HoldingsDigest::from_parts(&hello.held_digest, hello.held_count)
-                    .filter(|_| hello.held_count > 0),
-            )
-        } else {
+        let opening = if !hello.held.is_empty() {
             Opening::Listed(parse_held(&hello.held).map_err(|(reason, message)| {
                 self.metrics.refused.inc(reason);
                 Status::invalid_argument(format!("Hello from {}: {message}", hello.node))
             })?)
+        } else if hello.held_count == 0 {
+            Opening::Empty
+        } else {
+            let digest = HoldingsDigest::from_parts(&hello.held_digest, hello.held_count);
+            if digest.is_none() {
+                self.metrics.refused.inc("bad_held_digest");
+                tracing::warn!(node = %hello.node, bytes = hello.held_digest.len(), "a Hello digest that is not 16 bytes: asking for the list instead");
+            }
+            Opening::Digest(digest)
         };
         tracing::info!(node = %hello.node, agent = %hello.agent_version, boot = %hello.boot_id, store = %hello.store_id, held = hello.held_count.max(hello.held.len() as u32), "agent connected");
 
@@ -246,7 +250,6 @@ impl proto::sync_server::Sync for SyncService {
         let session = Session {
             id: self.sessions.fetch_add(1, Ordering::Relaxed),
             agents: Arc::clone(&self.agents),
-            index: Arc::clone(&self.index),
             devices: self.devices.clone(),
             events: self.events.clone(),
             device_events: self.device_events.clone(),
@@ -271,7 +274,10 @@ impl proto::sync_server::Sync for SyncService {
 enum Opening {
     /// Listed in full.
     Listed(BTreeMap<ResourceKey, ResourceVersion>),
-    /// As a digest; `None` for nothing held.
+    /// Nothing.
+    Empty,
+    /// Some resources, as a digest; `None` if the digest was malformed, so
+    /// only a list will tell.
     Digest(Option<HoldingsDigest>),
 }
 
@@ -312,7 +318,6 @@ fn is_node_name(name: &str) -> bool {
 struct Session {
     id: u64,
     agents: Arc<Agents>,
-    index: Arc<Index>,
     devices: reflector::Store<Device>,
     events: Events,
     device_events: DeviceEvents,
@@ -366,7 +371,8 @@ impl Session {
             self.sent = held;
             // Devices marked unreachable while the node was away are back (a
             // change that alters nothing costs no write).
-            for key in self.index.devices_of(&self.node) {
+            let devices: Vec<ResourceKey> = self.desired.borrow().keys().cloned().collect();
+            for key in devices {
                 self.status.submit(key, StatusChange::NodeReachable, None);
             }
             self.desired.mark_changed();
@@ -428,23 +434,25 @@ impl Session {
                 self.metrics.hellos.inc("listed");
                 return Ok(held);
             }
-            Opening::Digest(None) => {
+            Opening::Empty => {
                 self.metrics.hellos.inc("empty");
                 return Ok(BTreeMap::new());
             }
-            Opening::Digest(Some(digest)) => digest,
+            Opening::Digest(digest) => digest,
         };
-        if let Some(held) = self.agents.remembered(&self.node, &self.store_id, &digest) {
-            self.metrics.hellos.inc("remembered");
-            return Ok(held);
-        }
-        let delivered = delivered_to(&self.node, self.devices.state().iter().map(|d| &**d));
-        if HoldingsDigest::of(&delivered) == digest {
-            self.metrics.hellos.inc("recovered");
-            return Ok(delivered);
+        if let Some(digest) = digest {
+            if let Some(held) = self.agents.remembered(&self.node, &self.store_id, &digest) {
+                self.metrics.hellos.inc("remembered");
+                return Ok(held);
+            }
+            let delivered = delivered_to(&self.node, self.devices.state().iter().map(|d| &**d));
+            if HoldingsDigest::of(&delivered) == digest {
+                self.metrics.hellos.inc("recovered");
+                return Ok(delivered);
+            }
         }
         self.metrics.hellos.inc("inventory");
-        tracing::info!(node = %self.node, store = %self.store_id, held = digest.count(), "the agent's holdings are not what this controller remembers: asking for its inventory");
+        tracing::info!(node = %self.node, store = %self.store_id, "the agent's holdings are not what this controller remembers: asking for its inventory");
         send(
             tx,
             cloud_message::Kind::InventoryRequest(proto::InventoryRequest {}),

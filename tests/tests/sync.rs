@@ -550,40 +550,48 @@ async fn a_hello_digest_that_matches_nothing_known_is_answered_by_asking_for_the
             version: Some((&edgefleet_shared::ResourceVersion::new("gone", 4)).into()),
         },
     ];
-    let hello = proto::Hello {
-        node: node.clone(),
-        agent_version: "raw".into(),
-        boot_id: "b".into(),
-        store_id: "store-inventory".into(),
-        held_digest: vec![0xab; 16],
-        held_count: 2,
-        ..Default::default()
-    };
-    let mut agent = RawAgent::connect(&controller, hello).await;
-    let first = agent.next().await;
-    assert!(
-        matches!(first, Some(proto::cloud_message::Kind::InventoryRequest(_))),
-        "{first:?}"
-    );
-    agent
-        .send(proto::agent_message::Kind::Inventory(proto::Inventory {
-            held,
-        }))
-        .await;
-    let update = loop {
-        match agent.next().await {
-            Some(proto::cloud_message::Kind::Update(update)) => break update,
-            Some(proto::cloud_message::Kind::Heartbeat(_)) => continue,
-            other => panic!("expected the difference, got {other:?}"),
-        }
-    };
-    let upserts: Vec<&str> = update.upserts.iter().map(|r| r.key.as_str()).collect();
-    assert_eq!(upserts, [ResourceKey::device(&ns, "b").to_string()]);
-    assert_eq!(
-        update.removals,
-        [ResourceKey::device(&ns, "ghost").to_string()]
-    );
-    assert_eq!(controller.sync_metrics.hellos.get("inventory"), 1);
+    // A digest that matches nothing, then one that is not even 16 bytes
+    // (refused and counted, but the list still tells).
+    for (round, digest) in [vec![0xab; 16], vec![0xab; 3]].into_iter().enumerate() {
+        let hello = proto::Hello {
+            node: node.clone(),
+            agent_version: "raw".into(),
+            boot_id: "b".into(),
+            store_id: "store-inventory".into(),
+            held_digest: digest,
+            held_count: 2,
+            ..Default::default()
+        };
+        let mut agent = RawAgent::connect(&controller, hello).await;
+        let first = agent.next().await;
+        assert!(
+            matches!(first, Some(proto::cloud_message::Kind::InventoryRequest(_))),
+            "{first:?}"
+        );
+        agent
+            .send(proto::agent_message::Kind::Inventory(proto::Inventory {
+                held: held.clone(),
+            }))
+            .await;
+        let update = loop {
+            match agent.next().await {
+                Some(proto::cloud_message::Kind::Update(update)) => break update,
+                Some(proto::cloud_message::Kind::Heartbeat(_)) => continue,
+                other => panic!("expected the difference, got {other:?}"),
+            }
+        };
+        let upserts: Vec<&str> = update.upserts.iter().map(|r| r.key.as_str()).collect();
+        assert_eq!(upserts, [ResourceKey::device(&ns, "b").to_string()]);
+        assert_eq!(
+            update.removals,
+            [ResourceKey::device(&ns, "ghost").to_string()]
+        );
+        assert_eq!(
+            controller.sync_metrics.hellos.get("inventory"),
+            round as u64 + 1
+        );
+    }
+    assert_eq!(controller.sync_metrics.refused.get("bad_held_digest"), 1);
 }
 
 /// A sync stream driven by hand, to send what a real agent never would.
