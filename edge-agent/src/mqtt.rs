@@ -228,20 +228,15 @@ async fn store_reports(
         }
         let outcome = match store_report(&node, &store, &publish).await {
             Ok(()) => "stored",
-            Err(Refusal::Codec(error)) => {
-                tracing::debug!(topic = %publish.topic, %error, "report refused");
-                error.metric_label()
-            }
-            Err(Refusal::NotAReport) => "not_a_report_topic",
-            Err(Refusal::UnknownDevice(key)) => {
-                tracing::debug!(device = %key, "report from an unknown device");
-                "unknown_device"
-            }
             Err(Refusal::Store(error)) => {
                 // Not acknowledged: the device sends it again.
                 tracing::error!(topic = %publish.topic, %error, "could not store a report");
                 metrics.reports.inc("store_error");
                 continue;
+            }
+            Err(refusal) => {
+                tracing::debug!(topic = %publish.topic, ?refusal, "report refused");
+                refusal.label()
             }
         };
         metrics.reports.inc(outcome);
@@ -252,9 +247,10 @@ async fn store_reports(
     }
 }
 
+#[derive(Debug)]
 enum Refusal {
     NotAReport,
-    UnknownDevice(ResourceKey),
+    UnknownDevice,
     Codec(CodecError),
     Store(StoreError),
 }
@@ -263,7 +259,7 @@ impl Refusal {
     fn label(&self) -> &'static str {
         match self {
             Refusal::NotAReport => "not_a_report_topic",
-            Refusal::UnknownDevice(_) => "unknown_device",
+            Refusal::UnknownDevice => "unknown_device",
             Refusal::Codec(error) => error.metric_label(),
             Refusal::Store(_) => "store_error",
         }
@@ -279,7 +275,7 @@ async fn store_event(
 ) -> Result<(&'static str, u64), Refusal> {
     let event: DeviceEvent = codec::decode(&publish.payload).map_err(Refusal::Codec)?;
     if store.desired(key).map_err(Refusal::Store)?.is_none() {
-        return Err(Refusal::UnknownDevice(key.clone()));
+        return Err(Refusal::UnknownDevice);
     }
     let id = event.id;
     match store
@@ -300,7 +296,7 @@ async fn store_report(node: &str, store: &Store, publish: &Publish) -> Result<()
     let key = topics::parse_report(node, &publish.topic).ok_or(Refusal::NotAReport)?;
     let report: DeviceReport = codec::decode(&publish.payload).map_err(Refusal::Codec)?;
     if store.desired(&key).map_err(Refusal::Store)?.is_none() {
-        return Err(Refusal::UnknownDevice(key));
+        return Err(Refusal::UnknownDevice);
     }
     store
         .record_report(&key, report, edgefleet_shared::now_unix_ms())

@@ -21,7 +21,10 @@ use edgefleet_shared::codec::{DesiredState, DeviceEvent, DeviceReport, FirmwareO
 use edgefleet_shared::{PropertyValue, ResourceKey, ResourceVersion};
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 use sled::Transactional;
-use sled::transaction::{ConflictableTransactionError, TransactionError};
+use sled::transaction::{
+    ConflictableTransactionError, ConflictableTransactionResult, TransactionError,
+    TransactionalTree,
+};
 use tokio::sync::{Notify, broadcast};
 
 /// Bumped when the layout of stored values changes; a store with another
@@ -294,11 +297,7 @@ impl Store {
                     .meta
                     .insert(META_SCHEMA, &SCHEMA_VERSION.to_be_bytes())
                     .map_err(|e| e.to_string())?;
-                store
-                    .meta
-                    .insert(META_STORE_ID, new_store_id().as_bytes())
-                    .map_err(|e| e.to_string())?;
-                store.db.flush().map_err(|e| e.to_string())?;
+                // Made durable with the store id below.
             }
             Some(v) if v.as_ref() == SCHEMA_VERSION.to_be_bytes() => {}
             Some(v) => return Err(format!("schema version {v:?}, expected {SCHEMA_VERSION}")),
@@ -306,7 +305,7 @@ impl Store {
         }
         store.store_id = match store.meta.get(META_STORE_ID).map_err(|e| e.to_string())? {
             Some(id) => String::from_utf8_lossy(&id).into_owned(),
-            // Stores from before ids existed get one now.
+            // A new store, or one from before ids existed.
             None => {
                 let id = new_store_id();
                 store
@@ -463,8 +462,7 @@ impl Store {
                         return Ok((previous.seq, false));
                     }
                 }
-                let seq = meta.get(META_NEXT_SEQ)?.map(|v| u64_from(&v)).unwrap_or(1);
-                meta.insert(META_NEXT_SEQ, &(seq + 1).to_be_bytes())?;
+                let seq = take_seq(meta)?;
                 if let Some(previous) = &previous {
                     outbox.remove(&previous.seq.to_be_bytes())?;
                 }
@@ -521,8 +519,7 @@ impl Store {
                 let bound = self.max_events;
                 let result = (&self.outbox, &self.event_ids, &self.meta).transaction(
                     |(outbox, event_ids, meta)| {
-                        let seq = meta.get(META_NEXT_SEQ)?.map(|v| u64_from(&v)).unwrap_or(1);
-                        meta.insert(META_NEXT_SEQ, &(seq + 1).to_be_bytes())?;
+                        let seq = take_seq(meta)?;
                         outbox.insert(&seq.to_be_bytes(), entry.clone())?;
                         event_ids.insert(key.as_bytes(), &event.id.to_be_bytes())?;
                         if let Some(victim) = victim {
@@ -590,8 +587,7 @@ impl Store {
             };
             let dropped: Dropped = decode(META_DROPPED_UNREPORTED, &dropped)
                 .map_err(ConflictableTransactionError::Abort)?;
-            let seq = meta.get(META_NEXT_SEQ)?.map(|v| u64_from(&v)).unwrap_or(1);
-            meta.insert(META_NEXT_SEQ, &(seq + 1).to_be_bytes())?;
+            let seq = take_seq(meta)?;
             outbox.insert(
                 &seq.to_be_bytes(),
                 encode(&OutboxEntry::EventsDropped(dropped)),
@@ -761,6 +757,14 @@ impl GroupFlush {
             .map_err(|_| gone())?;
         rx.await.map_err(|_| gone())?
     }
+}
+
+/// Hands out the next uplink sequence number, within a transaction on the
+/// meta tree.
+fn take_seq(meta: &TransactionalTree) -> ConflictableTransactionResult<u64, StoreError> {
+    let seq = meta.get(META_NEXT_SEQ)?.map(|v| u64_from(&v)).unwrap_or(1);
+    meta.insert(META_NEXT_SEQ, &(seq + 1).to_be_bytes())?;
+    Ok(seq)
 }
 
 fn from_transaction(e: TransactionError<StoreError>) -> StoreError {

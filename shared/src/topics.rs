@@ -65,19 +65,8 @@ pub enum Uplink {
 /// The device and kind of a device → agent topic of `node`, or `None` for
 /// any other topic.
 pub fn parse_uplink(node: &str, topic: &str) -> Option<(ResourceKey, Uplink)> {
-    let (prefix, kind) = if let Some(p) = topic.strip_suffix("/report") {
-        (p, Uplink::Report)
-    } else {
-        (topic.strip_suffix("/event")?, Uplink::Event)
-    };
-    parse_report(node, &format!("{prefix}/report")).map(|key| (key, kind))
-}
-
-/// The device a report topic of `node` is about, or `None` for any other
-/// topic.
-pub fn parse_report(node: &str, topic: &str) -> Option<ResourceKey> {
     let mut parts = topic.split('/');
-    let (Some(ROOT), Some(n), Some(namespace), Some(name), Some("report"), None) = (
+    let (Some(ROOT), Some(n), Some(namespace), Some(name), Some(kind), None) = (
         parts.next(),
         parts.next(),
         parts.next(),
@@ -87,8 +76,22 @@ pub fn parse_report(node: &str, topic: &str) -> Option<ResourceKey> {
     ) else {
         return None;
     };
+    let kind = match kind {
+        "report" => Uplink::Report,
+        "event" => Uplink::Event,
+        _ => return None,
+    };
     (n == node && !namespace.is_empty() && !name.is_empty())
-        .then(|| ResourceKey::device(namespace, name))
+        .then(|| (ResourceKey::device(namespace, name), kind))
+}
+
+/// The device a report topic of `node` is about, or `None` for any other
+/// topic.
+pub fn parse_report(node: &str, topic: &str) -> Option<ResourceKey> {
+    match parse_uplink(node, topic)? {
+        (key, Uplink::Report) => Some(key),
+        (_, Uplink::Event) => None,
+    }
 }
 
 #[cfg(test)]
