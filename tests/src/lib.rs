@@ -94,19 +94,29 @@ pub const PATIENCE: Duration = Duration::from_secs(30);
 
 /// Polls `check` until it returns `Some`, or panics after [`PATIENCE`]
 /// naming what never happened.
-pub async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
+pub async fn eventually<T, F, Fut>(what: &str, check: F) -> T
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Option<T>>,
 {
-    let deadline = tokio::time::Instant::now() + PATIENCE;
+    eventually_within(PATIENCE, what, check).await
+}
+
+/// [`eventually`] with another patience, for what takes longer (a fleet
+/// converging after a fault, a long outbox draining).
+pub async fn eventually_within<T, F, Fut>(patience: Duration, what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + patience;
     loop {
         if let Some(value) = check().await {
             return value;
         }
         assert!(
             tokio::time::Instant::now() < deadline,
-            "timed out waiting until {what}"
+            "timed out after {patience:?} waiting until {what}"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

@@ -17,7 +17,9 @@ use edgefleet_tests::final_state::{read_final_state, wait_converged};
 use edgefleet_tests::fleet_view::applied_current_generation;
 use edgefleet_tests::mosquitto::Mosquitto;
 use edgefleet_tests::stack::{Stack, StackSpec};
-use edgefleet_tests::{PATIENCE, RestartableControlPlane, test_namespace};
+use edgefleet_tests::{
+    PATIENCE, RestartableControlPlane, eventually, eventually_within, test_namespace,
+};
 use kube::api::{Patch, PatchParams};
 use kube::{Api, Client};
 use nix::sys::signal::Signal;
@@ -54,25 +56,6 @@ fn final_state(dir: &Path) -> PathBuf {
     dir.join("final.jsonl")
 }
 
-/// Polls `check` until it returns `Some` or `within` has passed.
-async fn within<T, F, Fut>(within: Duration, what: &str, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = tokio::time::Instant::now() + within;
-    loop {
-        if let Some(value) = check().await {
-            return value;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out after {within:?} waiting until {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
-
 /// `Some` once there are `count` Devices and each applied its generation.
 async fn all_applied(devices: &Api<Device>, count: usize) -> Option<()> {
     let list = devices.list(&Default::default()).await.ok()?;
@@ -86,7 +69,7 @@ async fn change_specs(devices: &Api<Device>, names: impl IntoIterator<Item = usi
     for i in names {
         let name = format!("dev-{i:05}");
         let patch = serde_json::json!({ "spec": { "desired": { "round": round } } });
-        within(PATIENCE, &format!("{name} takes round {round}"), || async {
+        eventually(&format!("{name} takes round {round}"), || async {
             devices
                 .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
                 .await
@@ -187,11 +170,11 @@ async fn the_api_server_restarted_twice_loses_no_report_and_no_spec() {
     stack.apply_devices(&client).await.unwrap();
     stack.start_sim(&sim_args(dir.path())).unwrap();
     let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
-    within(RECOVERY, "every device applied its desired state", || {
+    eventually_within(RECOVERY, "every device applied its desired state", || {
         all_applied(&devices, DEVICES)
     })
     .await;
-    let first_boot = within(PATIENCE, "the EdgeNode names the agent's boot", || {
+    let first_boot = eventually("the EdgeNode names the agent's boot", || {
         edge_node_boot_id(&client, &node)
     })
     .await;
@@ -221,15 +204,11 @@ async fn the_api_server_restarted_twice_loses_no_report_and_no_spec() {
 
     converge_exactly(&mut stack, &devices, DEVICES, dir).await;
     // The agent's reconnect during the outage reached the EdgeNode later.
-    let boot = within(
-        PATIENCE,
-        "the EdgeNode names the restarted agent's boot",
-        || async {
-            edge_node_boot_id(&client, &node)
-                .await
-                .filter(|boot| *boot != first_boot)
-        },
-    )
+    let boot = eventually("the EdgeNode names the restarted agent's boot", || async {
+        edge_node_boot_id(&client, &node)
+            .await
+            .filter(|boot| *boot != first_boot)
+    })
     .await;
     assert_ne!(boot, first_boot);
     stack.shutdown();
@@ -256,7 +235,7 @@ async fn a_restarted_mosquitto_loses_no_spec_and_the_last_reports_arrive() {
     stack.apply_devices(&client).await.unwrap();
     stack.start_sim(&sim_args(dir.path())).unwrap();
     let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
-    within(RECOVERY, "every device applied its desired state", || {
+    eventually_within(RECOVERY, "every device applied its desired state", || {
         all_applied(&devices, DEVICES)
     })
     .await;
@@ -294,7 +273,7 @@ async fn a_restarted_embedded_broker_loses_no_spec_and_the_last_reports_arrive()
     stack.apply_devices(&client).await.unwrap();
     stack.start_sim(&sim_args(dir.path())).unwrap();
     let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
-    within(RECOVERY, "every device applied its desired state", || {
+    eventually_within(RECOVERY, "every device applied its desired state", || {
         all_applied(&devices, DEVICES)
     })
     .await;
@@ -355,12 +334,12 @@ async fn a_report_published_while_the_agent_is_down_reaches_status_through_mosqu
 
     let device = FakeMqttDevice::connect(mosquitto.addr).await;
     device.report(&node, &key, 1.0).await;
-    within(RECOVERY, "status shows the first report", shows(1.0)).await;
+    eventually_within(RECOVERY, "status shows the first report", shows(1.0)).await;
 
     stack.kill_agent(0);
     device.report(&node, &key, 2.0).await;
     stack.start_agent_again(0, 1).await.unwrap();
-    within(
+    eventually_within(
         RECOVERY,
         "status shows the report published while the agent was down",
         shows(2.0),
