@@ -20,11 +20,15 @@ use edgefleet_shared::api::Device;
 use edgefleet_shared::holdings::HoldingsDigest;
 use edgefleet_shared::{ResourceKey, ResourceVersion};
 use kube::ResourceExt;
+use tokio::sync::watch;
 
 /// The agents this process has talked to, by node name.
 #[derive(Debug, Default)]
 pub struct Agents {
     nodes: Mutex<HashMap<String, NodeAgent>>,
+    // The newest session of each node. Session ids grow, so the newest is
+    // the highest; an older session still open ends when it sees a newer.
+    newest: Mutex<HashMap<String, watch::Sender<u64>>>,
 }
 
 #[derive(Debug)]
@@ -41,15 +45,41 @@ struct NodeAgent {
 }
 
 impl Agents {
-    /// A session for `node` started, its agent's store `store_id` holding
-    /// `held`.
+    /// A session of `node` opened (its Hello arrived): it speaks for the
+    /// node from now on. Returns the node's newest session, which every
+    /// session watches to end once a newer one has claimed its node.
+    pub fn claim(&self, node: &str, session: u64) -> watch::Receiver<u64> {
+        let mut newest = self.newest.lock().expect("agents lock");
+        let sender = newest
+            .entry(node.to_owned())
+            .or_insert_with(|| watch::Sender::new(session));
+        sender.send_if_modified(|newest| {
+            let newer = session > *newest;
+            *newest = (*newest).max(session);
+            newer
+        });
+        sender.subscribe()
+    }
+
+    /// The newest session of `node`, if it had one.
+    pub fn newest(&self, node: &str) -> Option<u64> {
+        let newest = self.newest.lock().expect("agents lock");
+        newest.get(node).map(|s| *s.borrow())
+    }
+
+    /// A session for `node` knows what its agent's store `store_id` holds:
+    /// `held`. False if a newer session has claimed the node meanwhile;
+    /// this one must end.
     pub fn connected(
         &self,
         node: &str,
         session: u64,
         store_id: &str,
         held: BTreeMap<ResourceKey, ResourceVersion>,
-    ) {
+    ) -> bool {
+        if self.newest(node).is_some_and(|newest| newest != session) {
+            return false;
+        }
         let agent = NodeAgent {
             session: Some(session),
             gone_since: None,
@@ -57,6 +87,7 @@ impl Agents {
             held,
         };
         self.lock().insert(node.to_owned(), agent);
+        true
     }
 
     /// The agent acknowledged an Update with these upserts and removals.
@@ -201,6 +232,27 @@ mod tests {
         assert_eq!(agents.holds("edge-1", &key("a")), Some(true));
         agents.disconnected("edge-1", 2);
         assert!(!agents.is_connected("edge-1"));
+    }
+
+    #[test]
+    fn a_newer_session_supersedes_an_older_one() {
+        let agents = Agents::default();
+        let first = agents.claim("edge-1", 1);
+        assert!(agents.connected("edge-1", 1, "s1", held(&[entry("a", 1)])));
+        let second = agents.claim("edge-1", 2);
+        assert_eq!(
+            *first.borrow(),
+            2,
+            "the first session sees it is not the newest"
+        );
+        assert!(first.has_changed().unwrap());
+        // The old session learning its holdings late does not take over.
+        assert!(!agents.connected("edge-1", 1, "s1", BTreeMap::new()));
+        assert!(agents.connected("edge-1", 2, "s1", held(&[entry("a", 1)])));
+        // A late claim of an older session changes nothing.
+        agents.claim("edge-1", 1);
+        assert_eq!(*second.borrow(), 2);
+        assert_eq!(agents.holds("edge-1", &key("a")), Some(true));
     }
 
     #[test]

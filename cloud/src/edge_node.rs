@@ -41,6 +41,11 @@ impl NodeStatus {
         }
     }
 
+    /// The node.
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
     /// The agent connected: make sure the EdgeNode exists and say so. If
     /// that fails, the next [`NodeStatus::heartbeat`] tries again.
     pub async fn connected(

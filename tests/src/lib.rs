@@ -21,6 +21,7 @@ pub mod final_state;
 pub mod fleet_view;
 pub mod mosquitto;
 pub mod process;
+pub mod sim;
 pub mod stack;
 
 use std::io::{BufRead, BufReader, Read};

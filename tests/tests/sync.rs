@@ -589,6 +589,62 @@ async fn a_hello_digest_that_matches_nothing_known_is_answered_by_asking_for_the
     assert_eq!(controller.sync_metrics.refused.get("bad_held_digest"), 1);
 }
 
+#[tokio::test]
+async fn a_newer_session_of_a_node_ends_the_older_one() {
+    let Setup {
+        client,
+        ns,
+        controller,
+        node,
+        ..
+    } = Setup::new("superseded").await;
+    let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
+    create_thermostat(&devices, "a", &node, 20.0).await;
+    let hello = proto::Hello {
+        node: node.clone(),
+        agent_version: "raw".into(),
+        boot_id: "b".into(),
+        store_id: "store-superseded".into(),
+        ..Default::default()
+    };
+    let mut old = RawAgent::connect(&controller, hello.clone()).await;
+    assert!(matches!(
+        old.next().await,
+        Some(proto::cloud_message::Kind::Update(_))
+    ));
+    // The agent reconnected before the cloud noticed its old stream gone.
+    let mut new = RawAgent::connect(&controller, hello).await;
+    assert!(matches!(
+        new.next().await,
+        Some(proto::cloud_message::Kind::Update(_))
+    ));
+    let ended = tokio::time::timeout(edgefleet_tests::PATIENCE, async {
+        while let Some(message) = old.inbound.message().await.ok().flatten() {
+            assert!(
+                matches!(message.kind, Some(proto::cloud_message::Kind::Heartbeat(_))),
+                "the superseded session sent {message:?}"
+            );
+        }
+    })
+    .await;
+    assert!(ended.is_ok(), "the older session was never closed");
+    // The newer one goes on.
+    create_thermostat(&devices, "b", &node, 21.0).await;
+    loop {
+        match new.next().await {
+            Some(proto::cloud_message::Kind::Update(update)) => {
+                assert_eq!(
+                    update.upserts[0].key,
+                    ResourceKey::device(&ns, "b").to_string()
+                );
+                break;
+            }
+            Some(proto::cloud_message::Kind::Heartbeat(_)) => continue,
+            other => panic!("expected b, got {other:?}"),
+        }
+    }
+}
+
 /// A sync stream driven by hand, to send what a real agent never would.
 struct RawAgent {
     tx: tokio::sync::mpsc::Sender<proto::AgentMessage>,

@@ -9,23 +9,22 @@
 //! session, which is counted and logged; HTTP/2 PINGs and TCP keepalive back
 //! it up.
 
-use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
 
 use backon::{BackoffBuilder, ExponentialBuilder};
-use edgefleet_shared::api::Transport;
-use edgefleet_shared::codec::FirmwareOrder;
 use edgefleet_shared::heartbeat::{Heartbeat, PeerWatch};
-use edgefleet_shared::holdings::HoldingsDigest;
-use edgefleet_shared::proto::{self, agent_message, cloud_message, resource, uplink_entry};
-use edgefleet_shared::{PropertyValue, ResourceKey};
+use edgefleet_shared::proto::{self, agent_message, cloud_message};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::store::{DesiredDevice, PendingUplink, Store, StoreError};
+use crate::store::{Store, StoreError};
+
+pub mod session;
+
+pub use session::{Session, Step};
 
 /// Most outbox entries in one Uplink message.
 pub const UPLINK_BATCH: usize = 256;
@@ -233,16 +232,14 @@ async fn talk(
     let (tx, rx) = mpsc::channel(16);
     // What the store holds goes as a digest; the cloud asks for the list
     // if the digest is not what it remembers.
-    let digest = HoldingsDigest::of(store.held()?.iter().map(|(k, v)| (k, v)));
-    let hello = proto::Hello {
-        node: settings.node.clone(),
-        agent_version: settings.agent_version.clone(),
-        boot_id: settings.boot_id.clone(),
-        held: Vec::new(),
-        store_id: store.store_id().to_owned(),
-        held_digest: digest.to_bytes(),
-        held_count: digest.count(),
-    };
+    let held = store.held()?;
+    let hello = session::hello(
+        &settings.node,
+        &settings.agent_version,
+        &settings.boot_id,
+        store.store_id(),
+        held.iter().map(|(k, v)| (k, v)),
+    );
     send(&tx, agent_message::Kind::Hello(hello)).await?;
     let bytes = settings.bytes.clone();
     let backlog_up_to = store.last_seq()?;
@@ -258,34 +255,35 @@ async fn talk(
 
     // What this session sent and the cloud has not acknowledged yet; a new
     // session resends whatever is still unacknowledged.
-    let mut in_flight = InFlight::default();
+    let mut core = Session::default();
     let mut heartbeat = tokio::time::interval(settings.heartbeat.interval);
     loop {
-        send_outbox(store, &tx, &mut in_flight).await?;
+        send_outbox(store, &tx, &mut core).await?;
         tokio::select! {
             message = inbound.message() => {
                 let Some(message) = message? else { return Ok(()) };
                 watch.heard();
                 settings.bytes.received(&message);
-                match message.kind {
-                    Some(cloud_message::Kind::Update(update)) => apply_update(store, &tx, update).await?,
-                    Some(cloud_message::Kind::UplinkAck(ack)) => {
-                        store.acknowledge_uplink(ack.seq).await?;
-                        in_flight.acknowledged(ack.seq);
+                match core.received(message) {
+                    Step::Store { upserts, removals, reply } => {
+                        store.apply(&upserts, &removals).await?;
+                        if let agent_message::Kind::Nack(nack) = &reply {
+                            for refused in &nack.rejected {
+                                tracing::warn!(key = %refused.key, reason = %refused.reason, "refusing a resource of an update");
+                            }
+                        }
+                        tracing::debug!(upserts = upserts.len(), removals = removals.len(), "update stored");
+                        send(&tx, reply).await?;
                     }
-                    Some(cloud_message::Kind::InventoryRequest(_)) => {
-                        let held = store
-                            .held()?
-                            .into_iter()
-                            .map(|(key, version)| proto::HeldResource {
-                                key: key.to_string(),
-                                version: Some((&version).into()),
-                            })
-                            .collect();
+                    Step::UplinkAcked(seq) => {
+                        store.acknowledge_uplink(seq).await?;
+                    }
+                    Step::ListHoldings => {
                         tracing::info!(cloud = %settings.cloud, "the cloud asked what this agent holds");
-                        send(&tx, agent_message::Kind::Inventory(proto::Inventory { held })).await?;
+                        let inventory = session::inventory(&store.held()?);
+                        send(&tx, agent_message::Kind::Inventory(inventory)).await?;
                     }
-                    Some(cloud_message::Kind::Heartbeat(_)) | None => {}
+                    Step::Nothing => {}
                 }
             }
             _ = store.outbox_grew() => {}
@@ -318,126 +316,13 @@ impl Drop for LinkUp {
     }
 }
 
-/// Stores an update durably, then acknowledges it; refuses it whole if any
-/// resource in it is invalid.
-async fn apply_update(
-    store: &Store,
-    tx: &mpsc::Sender<proto::AgentMessage>,
-    update: proto::Update,
-) -> Result<(), SyncError> {
-    let mut upserts = Vec::with_capacity(update.upserts.len());
-    let mut rejected = Vec::new();
-    for resource in update.upserts {
-        match desired_device(&resource) {
-            Ok(entry) => upserts.push(entry),
-            Err(reason) => rejected.push(proto::RejectedResource {
-                key: resource.key,
-                reason,
-            }),
-        }
-    }
-    let mut removals = Vec::with_capacity(update.removals.len());
-    for key in &update.removals {
-        match key.parse::<ResourceKey>() {
-            Ok(key) => removals.push(key),
-            Err(e) => rejected.push(proto::RejectedResource {
-                key: key.clone(),
-                reason: e.to_string(),
-            }),
-        }
-    }
-    if !rejected.is_empty() {
-        tracing::warn!(nonce = %update.nonce, rejected = rejected.len(), "refusing an update");
-        let nack = proto::Nack {
-            nonce: update.nonce,
-            rejected,
-        };
-        return send(tx, agent_message::Kind::Nack(nack)).await;
-    }
-    store.apply(&upserts, &removals).await?;
-    tracing::debug!(nonce = %update.nonce, upserts = upserts.len(), removals = removals.len(), "update stored");
-    send(
-        tx,
-        agent_message::Kind::Ack(proto::Ack {
-            nonce: update.nonce,
-        }),
-    )
-    .await
-}
-
-/// A resource of an Update as the store keeps it.
-fn desired_device(resource: &proto::Resource) -> Result<(ResourceKey, DesiredDevice), String> {
-    let key: ResourceKey = resource
-        .key
-        .parse()
-        .map_err(|e: edgefleet_shared::key::ResourceKeyError| e.to_string())?;
-    let version = resource.version.as_ref().ok_or("no version")?;
-    let Some(resource::Body::Device(device)) = &resource.body else {
-        return Err("no device body".into());
-    };
-    let transport = match proto::Transport::try_from(device.transport) {
-        Ok(proto::Transport::Coap) => Transport::Coap,
-        Ok(proto::Transport::Mqtt) => Transport::Mqtt,
-        _ => return Err(format!("unknown transport {}", device.transport)),
-    };
-    let properties = device
-        .properties
-        .iter()
-        .map(|(k, v)| Ok((k.clone(), PropertyValue::try_from(v)?)))
-        .collect::<Result<BTreeMap<_, _>, proto::MissingField>>()
-        .map_err(|e| e.to_string())?;
-    let firmware = device.firmware.as_ref().map(|f| FirmwareOrder {
-        version: f.version.clone(),
-        url: (!f.url.is_empty()).then(|| f.url.clone()),
-        sha256: (!f.sha256.is_empty()).then(|| f.sha256.clone()),
-    });
-    Ok((
-        key,
-        DesiredDevice {
-            version: version.into(),
-            model: device.model.clone(),
-            transport,
-            properties,
-            firmware,
-        },
-    ))
-}
-
-/// The uplink entries sent in this session and not yet acknowledged, at
-/// most [`proto::UPLINK_WINDOW`].
-#[derive(Debug, Default)]
-struct InFlight {
-    seqs: VecDeque<u64>,
-    sent_up_to: u64,
-}
-
-impl InFlight {
-    /// How many more entries may go now.
-    fn room(&self) -> usize {
-        proto::UPLINK_WINDOW.saturating_sub(self.seqs.len())
-    }
-
-    fn sent(&mut self, seqs: impl IntoIterator<Item = u64>) {
-        for seq in seqs {
-            self.seqs.push_back(seq);
-            self.sent_up_to = seq;
-        }
-    }
-
-    fn acknowledged(&mut self, up_to: u64) {
-        while self.seqs.front().is_some_and(|seq| *seq <= up_to) {
-            self.seqs.pop_front();
-        }
-    }
-}
-
 /// Sends outbox entries not sent yet in this session, in batches, as long
 /// as the window has room; events dropped at the bound since the last call
 /// go up as an entry of their own.
 async fn send_outbox(
     store: &Store,
     tx: &mpsc::Sender<proto::AgentMessage>,
-    in_flight: &mut InFlight,
+    core: &mut Session,
 ) -> Result<(), SyncError> {
     if let Some(seq) = store.seal_dropped().await? {
         tracing::warn!(
@@ -446,62 +331,16 @@ async fn send_outbox(
         );
     }
     loop {
-        let room = in_flight.room().min(UPLINK_BATCH);
+        let (after, room) = core.next_batch(UPLINK_BATCH);
         if room == 0 {
             return Ok(());
         }
-        let batch = store.pending_uplink(in_flight.sent_up_to, room)?;
+        let batch = store.pending_uplink(after, room)?;
         if batch.is_empty() {
             return Ok(());
         }
-        in_flight.sent(batch.iter().map(|(seq, _)| *seq));
-        let entries = batch
-            .into_iter()
-            .map(|(seq, pending)| proto::UplinkEntry {
-                seq,
-                body: Some(uplink_body(pending)),
-            })
-            .collect();
-        send(tx, agent_message::Kind::Uplink(proto::Uplink { entries })).await?;
-    }
-}
-
-/// An outbox entry as the sync protocol carries it.
-fn uplink_body(pending: PendingUplink) -> uplink_entry::Body {
-    match pending {
-        PendingUplink::Report { device, latest } => uplink_entry::Body::Report(proto::Report {
-            device_key: device.to_string(),
-            applied_generation: latest.report.applied_generation,
-            properties: latest
-                .report
-                .properties
-                .iter()
-                .map(|(k, v)| (k.clone(), v.into()))
-                .collect(),
-            firmware_version: latest.report.firmware_version.unwrap_or_default(),
-            received_at_ms: latest.received_at_ms,
-        }),
-        PendingUplink::Event { device, stored } => uplink_entry::Body::Event(proto::Event {
-            device_key: device.to_string(),
-            r#type: if stored.event.warning {
-                proto::EventType::Warning
-            } else {
-                proto::EventType::Normal
-            }
-            .into(),
-            reason: stored.event.reason,
-            message: stored.event.message,
-            at_ms: stored.at_ms,
-            device_event_id: stored.event.id,
-        }),
-        PendingUplink::EventsDropped(dropped) => {
-            uplink_entry::Body::EventsDropped(proto::EventsDropped {
-                count: dropped.count,
-                first_at_ms: dropped.first_at_ms,
-                last_at_ms: dropped.last_at_ms,
-                bound: dropped.bound,
-            })
-        }
+        let uplink = core.uplink(batch);
+        send(tx, agent_message::Kind::Uplink(uplink)).await?;
     }
 }
 
@@ -512,25 +351,4 @@ async fn send(
     tx.send(proto::AgentMessage { kind: Some(kind) })
         .await
         .map_err(|_| SyncError::Closed)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_window_closes_when_full_and_opens_with_acknowledgements() {
-        let mut in_flight = InFlight::default();
-        assert_eq!(in_flight.room(), proto::UPLINK_WINDOW);
-        // Sequence numbers have gaps where reports were compacted.
-        in_flight.sent((1..=proto::UPLINK_WINDOW as u64).map(|n| n * 2));
-        assert_eq!(in_flight.room(), 0);
-        assert_eq!(in_flight.sent_up_to, proto::UPLINK_WINDOW as u64 * 2);
-        in_flight.acknowledged(9); // covers 2, 4, 6, 8
-        assert_eq!(in_flight.room(), 4);
-        in_flight.acknowledged(9); // a repeated acknowledgement frees nothing
-        assert_eq!(in_flight.room(), 4);
-        in_flight.acknowledged(u64::MAX);
-        assert_eq!(in_flight.room(), proto::UPLINK_WINDOW);
-    }
 }

@@ -1,0 +1,614 @@
+//! The sync server: one bidirectional stream per agent (`edgefleet.v1.Sync`).
+//!
+//! A session starts with the agent's Hello, answers it with the difference
+//! between what the agent holds and its node's slice of the index, then sends
+//! each later change as another difference. The Hello gives the holdings as a
+//! digest: if it matches what this process saw the same store acknowledge
+//! (see [`Agents`]), that is what the agent holds; otherwise (a restarted
+//! controller, a lost Ack) the session asks for the list first. Reports go to the status writer;
+//! an uplink sequence number is acknowledged only once every entry up to it is
+//! durable in the API server. An agent silent for 3 heartbeat intervals
+//! (see [`edgefleet_shared::heartbeat`]) has its session ended, counted and
+//! logged.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use edgefleet_shared::ResourceKey;
+use edgefleet_shared::api::Device;
+use edgefleet_shared::heartbeat::{Heartbeat, PeerWatch};
+use edgefleet_shared::proto::{self, agent_message, cloud_message};
+use edgefleet_shared::telemetry::Outcomes;
+use kube::runtime::reflector;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::agents::{Agents, delivered_to};
+use crate::device_events::DeviceEvents;
+use crate::edge_node::NodeStatus;
+use crate::events::{Events, Note, device_reference};
+use crate::index::{Index, NodeSlice};
+use crate::status::{Completion, StatusChange, StatusWriter};
+
+pub mod session;
+
+pub use session::{
+    Accepted, Effect, Holdings, MAX_RESOURCES_PER_UPDATE, Opening, Session, SessionError,
+    UplinkWatermark,
+};
+
+/// How often the cloud sends a heartbeat by default.
+pub const HEARTBEAT_INTERVAL: Duration = Heartbeat::DEFAULT.interval;
+
+/// Counters of the sync server.
+#[derive(Debug, Default)]
+pub struct SyncMetrics {
+    /// Open agent streams.
+    pub streams: Gauge,
+    /// Updates sent.
+    pub updates: Counter,
+    /// Resources sent in Updates.
+    pub resources_sent: Counter,
+    /// Uplink entries received.
+    pub uplink_entries: Counter,
+    /// What was refused, by reason.
+    pub refused: Outcomes,
+    /// Nacks received.
+    pub nacks: Counter,
+    /// Hellos by how the agent's holdings became known: `listed` in the
+    /// Hello, `empty`, `remembered` (the digest matched what this process
+    /// saw acknowledged), `recovered` (it matched what the Devices' statuses
+    /// say was delivered) or `inventory` (asked for the list).
+    pub hellos: Outcomes,
+    /// Sessions ended because the agent was silent for 3 heartbeat
+    /// intervals (or sent no Hello within them).
+    pub silent_agents: Counter,
+}
+
+impl SyncMetrics {
+    /// Registers the counters with `registry`.
+    pub fn register(&self, registry: &mut prometheus_client::registry::Registry) {
+        registry.register("streams", "Open agent streams", self.streams.clone());
+        registry.register("updates", "Updates sent to agents", self.updates.clone());
+        registry.register(
+            "resources_sent",
+            "Resources sent in Updates",
+            self.resources_sent.clone(),
+        );
+        registry.register(
+            "uplink_entries",
+            "Uplink entries received",
+            self.uplink_entries.clone(),
+        );
+        self.refused
+            .register(registry, "refused", "Agent input refused, by reason");
+        registry.register("nacks", "Updates agents refused", self.nacks.clone());
+        self.hellos.register(
+            registry,
+            "hellos",
+            "Agent Hellos by how their holdings became known (listed, empty, remembered, recovered, inventory)",
+        );
+        registry.register(
+            "silent_agents",
+            "Agent sessions ended because the agent was silent for 3 heartbeat intervals",
+            self.silent_agents.clone(),
+        );
+    }
+}
+
+/// The gRPC service.
+#[derive(Clone)]
+pub struct SyncService {
+    client: kube::Client,
+    index: Arc<Index>,
+    devices: reflector::Store<Device>,
+    status: StatusWriter,
+    agents: Arc<Agents>,
+    events: Events,
+    device_events: DeviceEvents,
+    metrics: Arc<SyncMetrics>,
+    sessions: Arc<AtomicU64>,
+    heartbeat: Heartbeat,
+}
+
+/// What the sync service works with.
+#[derive(Clone)]
+pub struct SyncParts {
+    /// For EdgeNodes.
+    pub client: kube::Client,
+    /// The desired state by node.
+    pub index: Arc<Index>,
+    /// The Device reflector's store, for what their statuses say was
+    /// delivered.
+    pub devices: reflector::Store<Device>,
+    /// Where reports go.
+    pub status: StatusWriter,
+    /// Which agents hold what.
+    pub agents: Arc<Agents>,
+    /// The controller's own Events.
+    pub events: Events,
+    /// Where device events go.
+    pub device_events: DeviceEvents,
+    /// The counters.
+    pub metrics: Arc<SyncMetrics>,
+}
+
+impl SyncService {
+    /// A service serving `parts.index`, writing reports through
+    /// `parts.status`, device events through `parts.device_events` and
+    /// EdgeNodes with `parts.client`, keeping `parts.agents` up to date.
+    pub fn new(parts: SyncParts) -> Self {
+        let SyncParts {
+            client,
+            index,
+            devices,
+            status,
+            agents,
+            events,
+            device_events,
+            metrics,
+        } = parts;
+        SyncService {
+            client,
+            index,
+            devices,
+            status,
+            agents,
+            events,
+            device_events,
+            metrics,
+            sessions: Arc::default(),
+            heartbeat: Heartbeat::default(),
+        }
+    }
+
+    /// Sends heartbeats every `heartbeat.interval` and ends sessions whose
+    /// agent is silent for 3 of them.
+    pub fn with_heartbeat(self, heartbeat: Heartbeat) -> Self {
+        SyncService { heartbeat, ..self }
+    }
+}
+
+impl std::fmt::Debug for SyncParts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SyncParts").finish_non_exhaustive()
+    }
+}
+
+impl std::fmt::Debug for SyncService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SyncService").finish_non_exhaustive()
+    }
+}
+
+type Outbound = mpsc::Sender<Result<proto::CloudMessage, Status>>;
+
+#[tonic::async_trait]
+impl proto::sync_server::Sync for SyncService {
+    type StreamStream = ReceiverStream<Result<proto::CloudMessage, Status>>;
+
+    async fn stream(
+        &self,
+        request: Request<Streaming<proto::AgentMessage>>,
+    ) -> Result<Response<Self::StreamStream>, Status> {
+        let mut inbound = request.into_inner();
+        let limit = self.heartbeat.silence_limit();
+        let Ok(first) = tokio::time::timeout(limit, inbound.message()).await else {
+            self.metrics.silent_agents.inc();
+            tracing::warn!(
+                ?limit,
+                "an agent opened a stream but sent no Hello: ending it"
+            );
+            return Err(Status::deadline_exceeded("no Hello in time"));
+        };
+        let hello = match first? {
+            Some(proto::AgentMessage {
+                kind: Some(agent_message::Kind::Hello(hello)),
+            }) => hello,
+            _ => {
+                self.metrics.refused.inc("no_hello");
+                return Err(Status::invalid_argument(
+                    "the first message must be a Hello",
+                ));
+            }
+        };
+        if !is_node_name(&hello.node) {
+            self.metrics.refused.inc("bad_node_name");
+            return Err(Status::invalid_argument(format!(
+                "node name {:?} is not a Kubernetes node name",
+                hello.node
+            )));
+        }
+        let opening = Opening::of(&hello).map_err(|error| {
+            self.metrics.refused.inc(error.label());
+            Status::invalid_argument(format!("Hello from {}: {error}", hello.node))
+        })?;
+        if opening == Opening::Digest(None) {
+            self.metrics.refused.inc("bad_held_digest");
+            tracing::warn!(node = %hello.node, bytes = hello.held_digest.len(), "a Hello digest that is not 16 bytes: asking for the list instead");
+        }
+        tracing::info!(node = %hello.node, agent = %hello.agent_version, boot = %hello.boot_id, store = %hello.store_id, held = hello.held_count.max(hello.held.len() as u32), "agent connected");
+
+        let node_status = NodeStatus::new(self.client.clone(), &hello.node);
+        let (tx, rx) = mpsc::channel(16);
+        let session = Driver {
+            id: self.sessions.fetch_add(1, Ordering::Relaxed),
+            agents: Arc::clone(&self.agents),
+            devices: self.devices.clone(),
+            events: self.events.clone(),
+            device_events: self.device_events.clone(),
+            store_id: hello.store_id.clone(),
+            desired: self.index.subscribe(&hello.node),
+            node: hello.node.clone(),
+            status: self.status.clone(),
+            metrics: Arc::clone(&self.metrics),
+            heartbeat: self.heartbeat,
+        };
+        tokio::spawn(session.run(opening, hello, inbound, tx, node_status));
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// A Kubernetes node name: a DNS-1123 subdomain.
+fn is_node_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 253
+        && name.split('.').all(|label| {
+            !label.is_empty()
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+        })
+}
+
+/// Drives one [`Session`] over a tonic stream: feeds it the agent's
+/// messages, the node's slice and uplink completions, and carries out its
+/// effects. Kubernetes writes never wait inside this loop: status and
+/// Events are queued, and the EdgeNode has a task of its own.
+struct Driver {
+    id: u64,
+    agents: Arc<Agents>,
+    devices: reflector::Store<Device>,
+    events: Events,
+    device_events: DeviceEvents,
+    store_id: String,
+    node: String,
+    desired: watch::Receiver<NodeSlice>,
+    status: StatusWriter,
+    metrics: Arc<SyncMetrics>,
+    heartbeat: Heartbeat,
+}
+
+/// Why a driven session ended.
+#[derive(Debug, thiserror::Error)]
+enum Ended {
+    #[error(transparent)]
+    Protocol(#[from] SessionError),
+    #[error("stream error: {0}")]
+    Stream(Status),
+    #[error("the agent went away")]
+    AgentGone,
+    #[error("a newer session of the same node took over")]
+    Superseded,
+    #[error("the index closed")]
+    IndexClosed,
+    #[error("agent silent for {0:?}")]
+    Silent(Duration),
+}
+
+impl Driver {
+    async fn run(
+        mut self,
+        opening: Opening,
+        hello: proto::Hello,
+        mut inbound: Streaming<proto::AgentMessage>,
+        tx: Outbound,
+        node_status: NodeStatus,
+    ) {
+        self.metrics.streams.inc();
+        // Only the newest session of a node speaks for it; an older one
+        // still open (its agent's reconnect crossed it) ends now.
+        let mut newest = self.agents.claim(&self.node, self.id);
+        let figures = EdgeNodeFigures::start(
+            node_status,
+            self.id,
+            newest.clone(),
+            &hello.agent_version,
+            &hello.boot_id,
+        );
+        let (done_tx, mut done_rx) = mpsc::unbounded_channel();
+        let mut heartbeat = tokio::time::interval(self.heartbeat.interval);
+        // Started when the Hello arrived.
+        let watch = PeerWatch::new(self.heartbeat.silence_limit());
+        let known = self.known_holdings(opening);
+        let slice = self.desired.borrow_and_update().clone();
+        let (mut session, effects) = Session::open(&self.node, &self.store_id, slice, known);
+        let (metrics, node) = (Arc::clone(&self.metrics), self.node.clone());
+        let talk = async {
+            self.carry_out(effects, &tx, &done_tx, &figures).await?;
+            loop {
+                tokio::select! {
+                    changed = self.desired.changed() => {
+                        changed.map_err(|_| Ended::IndexClosed)?;
+                        let slice = self.desired.borrow_and_update().clone();
+                        let effects = session.slice_changed(slice);
+                        self.carry_out(effects, &tx, &done_tx, &figures).await?;
+                    }
+                    message = inbound.message() => {
+                        let message = message.map_err(Ended::Stream)?.ok_or(Ended::AgentGone)?;
+                        watch.heard();
+                        // An uplink entry about a Device that just arrived
+                        // in the slice is judged against the latest slice.
+                        if self.desired.has_changed().unwrap_or(false) {
+                            let slice = self.desired.borrow_and_update().clone();
+                            let effects = session.slice_changed(slice);
+                            self.carry_out(effects, &tx, &done_tx, &figures).await?;
+                        }
+                        self.count(&message);
+                        let effects = session.received(message)?;
+                        self.carry_out(effects, &tx, &done_tx, &figures).await?;
+                    }
+                    Some(seq) = done_rx.recv() => {
+                        let effects = session.uplink_durable(seq).into_iter().collect();
+                        self.carry_out(effects, &tx, &done_tx, &figures).await?;
+                    }
+                    _ = newest.changed() => {
+                        if *newest.borrow_and_update() != self.id {
+                            return Err(Ended::Superseded);
+                        }
+                    }
+                    _ = heartbeat.tick() => {
+                        let beat = proto::Heartbeat { sent_at_ms: edgefleet_shared::now_unix_ms(), ..Default::default() };
+                        send(&tx, cloud_message::Kind::Heartbeat(beat)).await?;
+                    }
+                }
+            }
+        };
+        let silent = async {
+            let silent = watch.silent().await;
+            metrics.silent_agents.inc();
+            tracing::warn!(
+                %node,
+                silent_for = ?silent,
+                missed = edgefleet_shared::heartbeat::MISSED_HEARTBEATS,
+                "heard nothing from the agent for 3 heartbeat intervals: ending its session"
+            );
+            Err::<(), _>(Ended::Silent(silent))
+        };
+        let result: Result<(), Ended> = tokio::select! {
+            ended = talk => ended,
+            ended = silent => ended,
+        };
+        self.metrics.streams.dec();
+        self.agents.disconnected(&self.node, self.id);
+        // Dropping the figures' sender ends the EdgeNode task, which
+        // records the disconnection if no newer session took over.
+        drop(figures);
+        match result {
+            Ok(()) | Err(Ended::AgentGone) => {
+                tracing::info!(node = %self.node, "agent disconnected")
+            }
+            Err(Ended::Protocol(error)) => {
+                self.metrics.refused.inc(error.label());
+                tracing::warn!(node = %self.node, %error, "agent stream ended");
+            }
+            Err(reason) => tracing::warn!(node = %self.node, %reason, "agent stream ended"),
+        }
+    }
+
+    /// What the Hello says the agent holds, if it can be told without a
+    /// list: listed, empty, or a digest that matches what this process saw
+    /// that store acknowledge or what the Devices' statuses say was
+    /// delivered.
+    fn known_holdings(&self, opening: Opening) -> Option<Holdings> {
+        let (known, how) = opening.known(
+            |digest| self.agents.remembered(&self.node, &self.store_id, digest),
+            || delivered_to(&self.node, self.devices.state().iter().map(|d| &**d)),
+        );
+        self.metrics.hellos.inc(how);
+        if known.is_none() {
+            tracing::info!(node = %self.node, store = %self.store_id, "the agent's holdings are not what this controller remembers: asking for its inventory");
+        }
+        known
+    }
+
+    fn count(&self, message: &proto::AgentMessage) {
+        match &message.kind {
+            Some(agent_message::Kind::Nack(_)) => {
+                self.metrics.nacks.inc();
+            }
+            Some(agent_message::Kind::Uplink(uplink)) => {
+                self.metrics
+                    .uplink_entries
+                    .inc_by(uplink.entries.len() as u64);
+            }
+            _ => {}
+        }
+    }
+
+    async fn carry_out(
+        &self,
+        effects: Vec<Effect>,
+        tx: &Outbound,
+        done: &mpsc::UnboundedSender<u64>,
+        figures: &EdgeNodeFigures,
+    ) -> Result<(), Ended> {
+        for effect in effects {
+            match effect {
+                Effect::Send(message) => {
+                    if let cloud_message::Kind::Update(update) = &message {
+                        self.metrics.updates.inc();
+                        self.metrics
+                            .resources_sent
+                            .inc_by(update.upserts.len() as u64);
+                    }
+                    send(tx, message).await?;
+                }
+                Effect::Live(held) => {
+                    if !self
+                        .agents
+                        .connected(&self.node, self.id, &self.store_id, held)
+                    {
+                        return Err(Ended::Superseded);
+                    }
+                    // Devices marked unreachable while the node was away
+                    // are back (a change that alters nothing costs no write).
+                    let devices: Vec<ResourceKey> = self.desired.borrow().keys().cloned().collect();
+                    for key in devices {
+                        self.status.submit(key, StatusChange::NodeReachable, None);
+                    }
+                }
+                Effect::Stored { upserts, removals } => {
+                    self.agents
+                        .acknowledged(&self.node, self.id, &upserts, &removals);
+                    for (key, version) in upserts {
+                        let change = StatusChange::Delivered {
+                            uid: version.uid,
+                            generation: version.generation,
+                        };
+                        self.status.submit(key, change, None);
+                    }
+                }
+                Effect::Holds(held) => {
+                    for (key, version) in held {
+                        let change = StatusChange::Delivered {
+                            uid: version.uid,
+                            generation: version.generation,
+                        };
+                        self.status.submit(key, change, None);
+                    }
+                }
+                Effect::Refused {
+                    key,
+                    version,
+                    reason,
+                } => {
+                    tracing::warn!(node = %self.node, %key, %version, %reason, "agent refused a resource");
+                    self.events.publish(
+                        device_reference(&key, &version.uid),
+                        Note {
+                            warning: true,
+                            reason: "RejectedByAgent",
+                            action: "Deliver",
+                            text: format!(
+                                "the agent of node {} refused generation {}: {reason}",
+                                self.node, version.generation
+                            ),
+                        },
+                    );
+                    let change = StatusChange::Rejected {
+                        uid: version.uid,
+                        generation: version.generation,
+                        reason,
+                    };
+                    self.status.submit(key, change, None);
+                }
+                Effect::Uplink { seq, entry } => {
+                    let completion = Completion {
+                        seq,
+                        notify: done.clone(),
+                    };
+                    match entry {
+                        Accepted::Status(key, change) => {
+                            self.status.submit(key, change, Some(completion))
+                        }
+                        Accepted::Event(event) => self.device_events.submit(event, completion),
+                        Accepted::Dropped(notice) => {
+                            self.device_events.submit_dropped(notice, completion)
+                        }
+                    }
+                }
+                Effect::Counted(label) => self.metrics.refused.inc(label),
+                Effect::Figures {
+                    devices,
+                    outbox,
+                    events_dropped,
+                } => figures.send((devices, outbox, events_dropped)),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The EdgeNode of one session, written by a task of its own so a slow API
+/// server never stalls the sync stream: it records the connection, then
+/// the latest heartbeat figures (older ones are skipped, not queued), then
+/// the disconnection once the session drops this. It writes only while its
+/// session is the node's newest.
+struct EdgeNodeFigures(watch::Sender<(i64, i64, i64)>);
+
+impl EdgeNodeFigures {
+    fn start(
+        mut node_status: NodeStatus,
+        session: u64,
+        newest: watch::Receiver<u64>,
+        agent_version: &str,
+        boot_id: &str,
+    ) -> Self {
+        let (tx, mut rx) = watch::channel((0, 0, 0));
+        let (agent_version, boot_id) = (agent_version.to_owned(), boot_id.to_owned());
+        let current = move || *newest.borrow() == session;
+        tokio::spawn(async move {
+            let node = node_status.node().to_owned();
+            if current()
+                && let Err(error) = node_status.connected(&agent_version, &boot_id).await
+            {
+                tracing::warn!(%node, %error, "could not record the EdgeNode's connection");
+            }
+            while rx.changed().await.is_ok() {
+                let (devices, outbox, dropped) = *rx.borrow_and_update();
+                if !current() {
+                    return;
+                }
+                if let Err(error) = node_status.heartbeat(devices, outbox, dropped).await {
+                    tracing::warn!(%node, %error, "could not record a heartbeat");
+                }
+            }
+            if current()
+                && let Err(error) = node_status.disconnected().await
+            {
+                tracing::warn!(%node, %error, "could not record the EdgeNode's disconnection");
+            }
+        });
+        EdgeNodeFigures(tx)
+    }
+
+    fn send(&self, figures: (i64, i64, i64)) {
+        self.0.send_replace(figures);
+    }
+}
+
+async fn send(tx: &Outbound, kind: cloud_message::Kind) -> Result<(), Ended> {
+    tx.send(Ok(proto::CloudMessage { kind: Some(kind) }))
+        .await
+        .map_err(|_| Ended::AgentGone)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_names_follow_kubernetes() {
+        for ok in ["edge-1", "a", "site-a.line-2", "x1"] {
+            assert!(is_node_name(ok), "{ok}");
+        }
+        for bad in [
+            "",
+            "Edge",
+            "edge_1",
+            "-edge",
+            "edge-",
+            "a..b",
+            &"a".repeat(254),
+        ] {
+            assert!(!is_node_name(bad), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,707 @@
+//! One agent's sync session as a state machine, without I/O.
+//!
+//! The tonic driver ([`super`]) feeds it what happens — the agent's
+//! messages, a new slice of the index, an uplink entry made durable — and
+//! carries out the [`Effect`]s it returns: messages to send, holdings to
+//! record, status changes and events to write. The deterministic simulator
+//! (`edgefleet_tests::sim`) drives the very same machine, so what it proves
+//! holds for the production path.
+//!
+//! What the session keeps:
+//! - `sent`: what the agent holds once every Update sent so far is stored.
+//!   A difference against the node's slice is what goes next.
+//! - `in_flight`: what each unanswered Update carried, by nonce. An Ack
+//!   says all of it is stored; a Nack says all of it is stored except the
+//!   resources it names, so one refused resource never holds back the rest.
+//! - the uplink watermark: an uplink sequence number is acknowledged only
+//!   once every entry up to it is durable in the API server.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+
+use edgefleet_shared::api::ReportOrigin;
+use edgefleet_shared::holdings::HoldingsDigest;
+use edgefleet_shared::proto::{self, agent_message, cloud_message, resource, uplink_entry};
+use edgefleet_shared::{ResourceKey, ResourceVersion};
+
+use crate::device_events::{DeviceEvent, DroppedNotice};
+use crate::index::{NodeSlice, difference};
+use crate::status::StatusChange;
+
+/// Most resources in one Update, so one message stays small.
+pub const MAX_RESOURCES_PER_UPDATE: usize = 256;
+
+/// Resources by key with the version the agent holds.
+pub type Holdings = BTreeMap<ResourceKey, ResourceVersion>;
+
+/// What a Hello says the agent holds.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Opening {
+    /// Listed in full.
+    Listed(Holdings),
+    /// Nothing.
+    Empty,
+    /// Some resources, as a digest; `None` if the digest was malformed, so
+    /// only a list will tell.
+    Digest(Option<HoldingsDigest>),
+}
+
+impl Opening {
+    /// Reads what a Hello says; a malformed list is refused with its counter
+    /// label.
+    pub fn of(hello: &proto::Hello) -> Result<Self, SessionError> {
+        if !hello.held.is_empty() {
+            return parse_held(&hello.held).map(Opening::Listed);
+        }
+        if hello.held_count == 0 {
+            return Ok(Opening::Empty);
+        }
+        Ok(Opening::Digest(HoldingsDigest::from_parts(
+            &hello.held_digest,
+            hello.held_count,
+        )))
+    }
+}
+
+impl Opening {
+    /// What the agent holds, if it can be told without asking for the
+    /// list: listed, empty, or a digest equal to that of `remembered` (what
+    /// this controller saw the same store acknowledge) or of `delivered`
+    /// (what the Devices' statuses say was delivered to the node). Also the
+    /// `hellos` counter's label: how it became known.
+    pub fn known(
+        self,
+        remembered: impl FnOnce(&HoldingsDigest) -> Option<Holdings>,
+        delivered: impl FnOnce() -> Holdings,
+    ) -> (Option<Holdings>, &'static str) {
+        let digest = match self {
+            Opening::Listed(held) => return (Some(held), "listed"),
+            Opening::Empty => return (Some(Holdings::new()), "empty"),
+            Opening::Digest(None) => return (None, "inventory"),
+            Opening::Digest(Some(digest)) => digest,
+        };
+        if let Some(held) = remembered(&digest) {
+            return (Some(held), "remembered");
+        }
+        let delivered = delivered();
+        if HoldingsDigest::of(&delivered) == digest {
+            return (Some(delivered), "recovered");
+        }
+        (None, "inventory")
+    }
+}
+
+/// Why a session ends. Each has a counter label.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SessionError {
+    /// A Hello in the middle of a session.
+    #[error("a second Hello")]
+    SecondHello,
+    /// The agent ignored the uplink window.
+    #[error(
+        "the agent sent more than {} uplink entries without waiting for acknowledgements",
+        proto::UPLINK_WINDOW
+    )]
+    UplinkWindowExceeded,
+    /// A held resource in a Hello or an Inventory does not parse.
+    #[error("held resource {key:?}: {reason}")]
+    BadHeld {
+        /// The key as sent.
+        key: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The agent went away before listing what it holds.
+    #[error("the agent left before sending its inventory")]
+    NoInventory,
+}
+
+impl SessionError {
+    /// The `refused` counter's label.
+    pub fn label(&self) -> &'static str {
+        match self {
+            SessionError::SecondHello => "second_hello",
+            SessionError::UplinkWindowExceeded => "uplink_window_exceeded",
+            SessionError::BadHeld { .. } => "bad_held_key",
+            SessionError::NoInventory => "no_inventory",
+        }
+    }
+}
+
+/// What the driver is to do.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Effect {
+    /// Send this to the agent.
+    Send(cloud_message::Kind),
+    /// What the agent holds is known now: the session speaks for the node.
+    Live(Holdings),
+    /// The agent stored these upserts and removals durably.
+    Stored {
+        /// Resources stored, at these versions.
+        upserts: Vec<(ResourceKey, ResourceVersion)>,
+        /// Resources removed.
+        removals: Vec<ResourceKey>,
+    },
+    /// The agent holds these resources at the versions the node's slice
+    /// has now (learnt at the opening, or when the slice caught up with
+    /// what it holds): their status is to say so, even though no Update
+    /// carried them in this session.
+    Holds(Vec<(ResourceKey, ResourceVersion)>),
+    /// The agent refused to store this version of a resource; it keeps
+    /// what it held before.
+    Refused {
+        /// Which resource.
+        key: ResourceKey,
+        /// The version it refused.
+        version: ResourceVersion,
+        /// The agent's reason.
+        reason: String,
+    },
+    /// An uplink entry to make durable; say [`Session::uplink_durable`]
+    /// with its `seq` once it is.
+    Uplink {
+        /// Its sequence number.
+        seq: u64,
+        /// What it is.
+        entry: Accepted,
+    },
+    /// Input refused and counted under this label; the session goes on.
+    Counted(&'static str),
+    /// The agent's figures from a heartbeat.
+    Figures {
+        /// Devices it holds.
+        devices: i64,
+        /// Entries in its outbox.
+        outbox: i64,
+        /// Events it dropped at its bound, over its store's life.
+        events_dropped: i64,
+    },
+}
+
+/// An uplink entry, checked.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Accepted {
+    /// A change of a Device's status.
+    Status(ResourceKey, StatusChange),
+    /// An event a device raised.
+    Event(DeviceEvent),
+    /// Events the agent dropped at its bound.
+    Dropped(DroppedNotice),
+}
+
+/// One agent's session.
+#[derive(Debug)]
+pub struct Session {
+    node: String,
+    // The agent's store: its uplink sequence numbers count within it.
+    store_id: String,
+    // Whether what the agent holds is known (else an Inventory is awaited).
+    live: bool,
+    slice: NodeSlice,
+    sent: Holdings,
+    // What the agent has confirmed it holds (its opening, then its answers).
+    confirmed: Holdings,
+    in_flight: HashMap<String, Carried>,
+    next_nonce: u64,
+    uplink: UplinkWatermark,
+}
+
+/// What one Update carried.
+#[derive(Clone, Debug, Default)]
+struct Carried {
+    upserts: Vec<(ResourceKey, ResourceVersion)>,
+    removals: Vec<ResourceKey>,
+}
+
+impl Session {
+    /// A session for `node`'s agent whose store is `store_id`, with the
+    /// node's current `slice`. `known` is what the agent holds if the
+    /// driver could tell from the Hello (listed, empty, or a digest it
+    /// matched); otherwise the session asks for the list.
+    pub fn open(
+        node: &str,
+        store_id: &str,
+        slice: NodeSlice,
+        known: Option<Holdings>,
+    ) -> (Self, Vec<Effect>) {
+        let mut session = Session {
+            node: node.to_owned(),
+            store_id: store_id.to_owned(),
+            live: false,
+            slice,
+            sent: Holdings::new(),
+            confirmed: Holdings::new(),
+            in_flight: HashMap::new(),
+            next_nonce: 1,
+            uplink: UplinkWatermark::default(),
+        };
+        let effects = match known {
+            Some(held) => session.go_live(held),
+            None => vec![Effect::Send(cloud_message::Kind::InventoryRequest(
+                proto::InventoryRequest {},
+            ))],
+        };
+        (session, effects)
+    }
+
+    /// The node this session serves.
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
+    /// Whether what the agent holds is known.
+    pub fn is_live(&self) -> bool {
+        self.live
+    }
+
+    /// The node's slice as the session last saw it.
+    pub fn slice(&self) -> &NodeSlice {
+        &self.slice
+    }
+
+    fn go_live(&mut self, held: Holdings) -> Vec<Effect> {
+        self.live = true;
+        self.sent = held.clone();
+        self.confirmed = held.clone();
+        let mut effects = vec![Effect::Live(held)];
+        effects.extend(self.holds(self.slice.keys()));
+        effects.extend(self.difference());
+        effects
+    }
+
+    /// Of `keys`, those the agent is confirmed to hold at the slice's
+    /// version.
+    fn holds<'a>(&self, keys: impl IntoIterator<Item = &'a ResourceKey>) -> Option<Effect> {
+        let holds: Vec<_> = keys
+            .into_iter()
+            .filter_map(|key| {
+                let version = &self.slice.get(key)?.version;
+                (self.confirmed.get(key) == Some(version)).then(|| (key.clone(), version.clone()))
+            })
+            .collect();
+        (!holds.is_empty()).then_some(Effect::Holds(holds))
+    }
+
+    /// The node's slice changed.
+    pub fn slice_changed(&mut self, slice: NodeSlice) -> Vec<Effect> {
+        let previous = std::mem::replace(&mut self.slice, slice);
+        if !self.live {
+            return Vec::new();
+        }
+        // A slice that catches up with what the agent already holds (the
+        // controller's view lagged, or the agent was ahead of a relisted
+        // controller) sends nothing, so say here that it is delivered.
+        let changed: Vec<ResourceKey> = self
+            .slice
+            .iter()
+            .filter(|(key, entry)| {
+                previous
+                    .get(*key)
+                    .is_none_or(|p| p.version != entry.version)
+            })
+            .map(|(key, _)| key.clone())
+            .collect();
+        let mut effects: Vec<Effect> = self.holds(&changed).into_iter().collect();
+        effects.extend(self.difference());
+        effects
+    }
+
+    /// The uplink entry `seq` is durable in the API server (or needed no
+    /// write); returns the acknowledgement to send, if it moved.
+    pub fn uplink_durable(&mut self, seq: u64) -> Option<Effect> {
+        self.uplink
+            .complete(seq)
+            .map(|seq| Effect::Send(cloud_message::Kind::UplinkAck(proto::UplinkAck { seq })))
+    }
+
+    /// Updates that bring the agent from `sent` to the slice.
+    fn difference(&mut self) -> Vec<Effect> {
+        let diff = difference(&self.slice, &self.sent);
+        let mut removals = diff.removals.into_iter().peekable();
+        let mut upserts = diff.upserts.into_iter().peekable();
+        let mut effects = Vec::new();
+        while upserts.peek().is_some() || removals.peek().is_some() {
+            let nonce = self.next_nonce.to_string();
+            self.next_nonce += 1;
+            let mut update = proto::Update {
+                nonce: nonce.clone(),
+                ..Default::default()
+            };
+            let mut carried = Carried::default();
+            for key in removals.by_ref().take(MAX_RESOURCES_PER_UPDATE) {
+                self.sent.remove(&key);
+                update.removals.push(key.to_string());
+                carried.removals.push(key);
+            }
+            let room = MAX_RESOURCES_PER_UPDATE.saturating_sub(update.removals.len());
+            for (key, entry) in upserts.by_ref().take(room) {
+                update.upserts.push(proto::Resource {
+                    key: key.to_string(),
+                    version: Some((&entry.version).into()),
+                    body: Some(resource::Body::Device(entry.desired.clone())),
+                });
+                self.sent.insert(key.clone(), entry.version.clone());
+                carried.upserts.push((key, entry.version.clone()));
+            }
+            self.in_flight.insert(nonce, carried);
+            effects.push(Effect::Send(cloud_message::Kind::Update(update)));
+        }
+        effects
+    }
+
+    /// A message from the agent. An error ends the session.
+    pub fn received(&mut self, message: proto::AgentMessage) -> Result<Vec<Effect>, SessionError> {
+        let Some(kind) = message.kind else {
+            return Ok(vec![Effect::Counted("empty_message")]);
+        };
+        Ok(match kind {
+            agent_message::Kind::Ack(ack) => self.answered(&ack.nonce, &[]),
+            agent_message::Kind::Nack(nack) => self.answered(&nack.nonce, &nack.rejected),
+            agent_message::Kind::Uplink(uplink) => self.uplink(uplink)?,
+            agent_message::Kind::Heartbeat(beat) => vec![Effect::Figures {
+                devices: i64::from(beat.device_count),
+                outbox: beat.outbox_depth as i64,
+                events_dropped: beat.events_dropped as i64,
+            }],
+            agent_message::Kind::Inventory(inventory) if !self.live => {
+                let held = parse_held(&inventory.held)?;
+                self.go_live(held)
+            }
+            agent_message::Kind::Inventory(_) => vec![Effect::Counted("unasked_inventory")],
+            agent_message::Kind::Hello(_) => return Err(SessionError::SecondHello),
+        })
+    }
+
+    /// An Ack (nothing rejected) or a Nack: everything the Update carried
+    /// is stored except the rejected resources.
+    fn answered(&mut self, nonce: &str, rejected: &[proto::RejectedResource]) -> Vec<Effect> {
+        let Some(carried) = self.in_flight.remove(nonce) else {
+            return vec![Effect::Counted("unknown_nonce")];
+        };
+        let refused: HashSet<&str> = rejected.iter().map(|r| r.key.as_str()).collect();
+        let mut effects = Vec::new();
+        for r in rejected {
+            match carried.upserts.iter().find(|(k, _)| k.to_string() == r.key) {
+                // `sent` keeps the refused version, so it is not sent again
+                // and again; a newer generation is.
+                Some((key, version)) => effects.push(Effect::Refused {
+                    key: key.clone(),
+                    version: version.clone(),
+                    reason: r.reason.clone(),
+                }),
+                None => effects.push(Effect::Counted("rejected_unsent")),
+            }
+        }
+        let upserts: Vec<_> = carried
+            .upserts
+            .into_iter()
+            .filter(|(k, _)| !refused.contains(k.to_string().as_str()))
+            .collect();
+        let removals: Vec<_> = carried
+            .removals
+            .into_iter()
+            .filter(|k| !refused.contains(k.to_string().as_str()))
+            .collect();
+        for (key, version) in &upserts {
+            self.confirmed.insert(key.clone(), version.clone());
+        }
+        for key in &removals {
+            self.confirmed.remove(key);
+        }
+        effects.insert(0, Effect::Stored { upserts, removals });
+        effects
+    }
+
+    fn uplink(&mut self, uplink: proto::Uplink) -> Result<Vec<Effect>, SessionError> {
+        if self.uplink.outstanding() + uplink.entries.len() > proto::UPLINK_WINDOW {
+            return Err(SessionError::UplinkWindowExceeded);
+        }
+        let mut effects = Vec::with_capacity(uplink.entries.len());
+        for entry in uplink.entries {
+            let seq = entry.seq;
+            if !self.uplink.received(seq) {
+                // Already acknowledged: a resend crossed the acknowledgement.
+                effects.push(Effect::Counted("already_acknowledged"));
+                continue;
+            }
+            match self.accept(entry) {
+                Ok(entry) => effects.push(Effect::Uplink { seq, entry }),
+                Err(label) => {
+                    // Refused for good: acknowledge it so the agent does
+                    // not resend it forever.
+                    effects.push(Effect::Counted(label));
+                    effects.extend(self.uplink_durable(seq));
+                }
+            }
+        }
+        Ok(effects)
+    }
+
+    /// The uid of a Device on this node, or a refusal for a device that is
+    /// not on it.
+    fn device_uid(&self, key: &ResourceKey, seq: u64) -> Result<String, &'static str> {
+        match self.slice.get(key) {
+            Some(entry) => Ok(entry.version.uid.clone()),
+            None => {
+                tracing::warn!(node = %self.node, device = %key, seq, "uplink for a device that is not on this node");
+                Err("unknown_device")
+            }
+        }
+    }
+
+    /// Checks one uplink entry: a report or event of a device of this node,
+    /// or a notice of events dropped at the edge.
+    fn accept(&self, entry: proto::UplinkEntry) -> Result<Accepted, &'static str> {
+        let report = match entry.body {
+            Some(uplink_entry::Body::Report(report)) => report,
+            Some(uplink_entry::Body::Event(event)) => {
+                let key: ResourceKey = event.device_key.parse().map_err(|_| "bad_device_key")?;
+                let uid = self.device_uid(&key, entry.seq)?;
+                if event.device_event_id == 0 || event.reason.is_empty() {
+                    return Err("bad_event");
+                }
+                return Ok(Accepted::Event(DeviceEvent {
+                    device: key,
+                    uid,
+                    node: self.node.clone(),
+                    id: event.device_event_id,
+                    warning: event.r#type() == proto::EventType::Warning,
+                    reason: event.reason,
+                    message: event.message,
+                    at_ms: event.at_ms,
+                }));
+            }
+            Some(uplink_entry::Body::EventsDropped(dropped)) => {
+                return Ok(Accepted::Dropped(DroppedNotice {
+                    node: self.node.clone(),
+                    store_id: self.store_id.clone(),
+                    seq: entry.seq,
+                    count: dropped.count,
+                    bound: dropped.bound,
+                    first_at_ms: dropped.first_at_ms,
+                    last_at_ms: dropped.last_at_ms,
+                }));
+            }
+            None => return Err("empty_uplink"),
+        };
+        let key: ResourceKey = report.device_key.parse().map_err(|_| "bad_device_key")?;
+        self.device_uid(&key, entry.seq)?;
+        let properties = report
+            .properties
+            .iter()
+            .map(|(k, v)| Ok((k.clone(), v.try_into()?)))
+            .collect::<Result<_, edgefleet_shared::proto::MissingField>>()
+            .map_err(|_| "bad_property")?;
+        Ok(Accepted::Status(
+            key,
+            StatusChange::Reported {
+                applied_generation: report.applied_generation,
+                properties,
+                firmware_version: (!report.firmware_version.is_empty())
+                    .then_some(report.firmware_version),
+                received_at_ms: report.received_at_ms,
+                origin: (!self.store_id.is_empty()).then(|| ReportOrigin {
+                    store: self.store_id.clone(),
+                    seq: entry.seq,
+                }),
+            },
+        ))
+    }
+}
+
+/// The held resources of a Hello or an Inventory.
+pub fn parse_held(list: &[proto::HeldResource]) -> Result<Holdings, SessionError> {
+    list.iter()
+        .map(|h| {
+            let bad = |reason: String| SessionError::BadHeld {
+                key: h.key.clone(),
+                reason,
+            };
+            let key: ResourceKey = h.key.parse().map_err(|e| bad(format!("{e}")))?;
+            let version = h.version.as_ref().ok_or_else(|| bad("no version".into()))?;
+            Ok((key, version.into()))
+        })
+        .collect()
+}
+
+/// Which uplink sequence number may be acknowledged: the highest one with
+/// every entry at or below it durable.
+#[derive(Debug, Default)]
+pub struct UplinkWatermark {
+    outstanding: BTreeSet<u64>,
+    highest: u64,
+    acked: u64,
+}
+
+impl UplinkWatermark {
+    /// An entry arrived; false if it is at or below the acknowledgement
+    /// already sent (a resend), so there is nothing to do for it.
+    pub fn received(&mut self, seq: u64) -> bool {
+        if seq <= self.acked {
+            return false;
+        }
+        self.outstanding.insert(seq);
+        self.highest = self.highest.max(seq);
+        true
+    }
+
+    /// Entries received and not yet durable.
+    pub fn outstanding(&self) -> usize {
+        self.outstanding.len()
+    }
+
+    /// An entry is durable. Returns the new acknowledgement, if it moved.
+    pub fn complete(&mut self, seq: u64) -> Option<u64> {
+        self.outstanding.remove(&seq);
+        let watermark = match self.outstanding.first() {
+            Some(first) => first - 1,
+            None => self.highest,
+        };
+        (watermark > self.acked).then(|| {
+            self.acked = watermark;
+            watermark
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::index::IndexedDevice;
+
+    fn key(name: &str) -> ResourceKey {
+        ResourceKey::device("plant", name)
+    }
+
+    fn slice(devices: &[(&str, i64)]) -> NodeSlice {
+        devices
+            .iter()
+            .map(|(name, generation)| {
+                let entry = IndexedDevice {
+                    version: ResourceVersion::new(format!("uid-{name}"), *generation),
+                    desired: proto::DeviceDesired {
+                        namespace: "plant".into(),
+                        name: (*name).into(),
+                        model: "thermostat".into(),
+                        transport: proto::Transport::Coap as i32,
+                        ..Default::default()
+                    },
+                };
+                (key(name), Arc::new(entry))
+            })
+            .collect()
+    }
+
+    fn updates(effects: &[Effect]) -> Vec<proto::Update> {
+        effects
+            .iter()
+            .filter_map(|e| match e {
+                Effect::Send(cloud_message::Kind::Update(u)) => Some(u.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn nack(nonce: &str, rejected: &[&str]) -> proto::AgentMessage {
+        proto::AgentMessage {
+            kind: Some(agent_message::Kind::Nack(proto::Nack {
+                nonce: nonce.into(),
+                rejected: rejected
+                    .iter()
+                    .map(|k| proto::RejectedResource {
+                        key: k.to_string(),
+                        reason: "invalid".into(),
+                    })
+                    .collect(),
+            })),
+        }
+    }
+
+    #[test]
+    fn a_refused_resource_does_not_hold_back_its_batch_mates() {
+        let held: Holdings = [(key("gone"), ResourceVersion::new("uid-gone", 1))].into();
+        let (mut session, effects) = Session::open(
+            "edge-1",
+            "s1",
+            slice(&[("a", 1), ("bad", 1), ("c", 1)]),
+            Some(held),
+        );
+        let update = &updates(&effects)[0];
+        assert_eq!(update.upserts.len(), 3);
+        assert_eq!(update.removals, [key("gone").to_string()]);
+
+        let effects = session
+            .received(nack(&update.nonce, &[&key("bad").to_string()]))
+            .unwrap();
+        assert_eq!(
+            effects[0],
+            Effect::Stored {
+                upserts: vec![
+                    (key("a"), ResourceVersion::new("uid-a", 1)),
+                    (key("c"), ResourceVersion::new("uid-c", 1)),
+                ],
+                removals: vec![key("gone")],
+            },
+            "the batch-mates and the removal are stored"
+        );
+        assert!(matches!(&effects[1], Effect::Refused { key: k, .. } if *k == key("bad")));
+        // The refused version is not sent again; a new generation is.
+        assert!(
+            updates(&session.slice_changed(slice(&[("a", 1), ("bad", 1), ("c", 1)]))).is_empty()
+        );
+        let again = updates(&session.slice_changed(slice(&[("a", 1), ("bad", 2), ("c", 1)])));
+        assert_eq!(again.len(), 1);
+        assert_eq!(again[0].upserts[0].key, key("bad").to_string());
+    }
+
+    #[test]
+    fn an_unknown_digest_asks_for_the_list_and_sends_nothing_before_it() {
+        let (mut session, effects) = Session::open("edge-1", "s1", slice(&[("a", 1)]), None);
+        assert_eq!(
+            effects,
+            [Effect::Send(cloud_message::Kind::InventoryRequest(
+                proto::InventoryRequest {}
+            ))]
+        );
+        assert!(session.slice_changed(slice(&[("a", 2)])).is_empty());
+        let inventory = proto::AgentMessage {
+            kind: Some(agent_message::Kind::Inventory(proto::Inventory {
+                held: vec![proto::HeldResource {
+                    key: key("a").to_string(),
+                    version: Some((&ResourceVersion::new("uid-a", 2)).into()),
+                }],
+            })),
+        };
+        let effects = session.received(inventory).unwrap();
+        assert!(matches!(effects[0], Effect::Live(_)));
+        assert!(updates(&effects).is_empty(), "it holds the latest already");
+    }
+
+    #[test]
+    fn an_answer_to_an_unknown_nonce_is_counted() {
+        let (mut session, _) = Session::open("edge-1", "s1", slice(&[]), Some(Holdings::new()));
+        let ack = proto::AgentMessage {
+            kind: Some(agent_message::Kind::Ack(proto::Ack { nonce: "9".into() })),
+        };
+        assert_eq!(
+            session.received(ack).unwrap(),
+            [Effect::Counted("unknown_nonce")]
+        );
+    }
+
+    #[test]
+    fn the_watermark_waits_for_the_oldest_outstanding_entry() {
+        let mut w = UplinkWatermark::default();
+        for seq in [3, 5, 8] {
+            assert!(w.received(seq));
+        }
+        assert_eq!(w.complete(5), Some(2), "3 is still outstanding");
+        assert_eq!(w.complete(8), None);
+        assert_eq!(w.complete(3), Some(8));
+        assert!(!w.received(2), "a stale resend below the acknowledgement");
+        assert_eq!(w.complete(2), None);
+        assert!(w.received(9));
+        assert_eq!(w.complete(9), Some(9));
+    }
+}

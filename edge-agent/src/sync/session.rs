@@ -1,0 +1,334 @@
+//! The agent's side of a sync session as a state machine, without I/O.
+//!
+//! The tonic driver ([`super`]) hands it what the cloud sends and carries
+//! out the [`Step`] it answers with: store desired state durably and only
+//! then reply, drop acknowledged entries from the outbox, list what the
+//! store holds. The deterministic simulator (`edgefleet_tests::sim`) runs
+//! the same machine against a simulated store and network.
+//!
+//! An Update is judged resource by resource: the valid ones are stored and
+//! the reply is an Ack, or a Nack naming only the resources refused —
+//! everything else in that Update is stored all the same.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use edgefleet_shared::api::Transport;
+use edgefleet_shared::codec::FirmwareOrder;
+use edgefleet_shared::holdings::HoldingsDigest;
+use edgefleet_shared::proto::{self, agent_message, cloud_message, resource, uplink_entry};
+use edgefleet_shared::{PropertyValue, ResourceKey, ResourceVersion};
+
+use crate::store::{DesiredDevice, PendingUplink};
+
+/// What the driver is to do with a message from the cloud.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Step {
+    /// Store these upserts and removals durably, then send `reply`.
+    Store {
+        /// Desired state to store.
+        upserts: Vec<(ResourceKey, DesiredDevice)>,
+        /// Keys to remove.
+        removals: Vec<ResourceKey>,
+        /// The Ack, or the Nack naming what was refused.
+        reply: agent_message::Kind,
+    },
+    /// The cloud made every uplink entry up to this one durable: drop them
+    /// from the outbox.
+    UplinkAcked(u64),
+    /// The cloud asks what the store holds: send [`inventory`].
+    ListHoldings,
+    /// Nothing to do (a heartbeat).
+    Nothing,
+}
+
+/// The agent's side of one session: the uplink window.
+#[derive(Debug, Default)]
+pub struct Session {
+    in_flight: InFlight,
+}
+
+impl Session {
+    /// What to do with a message from the cloud.
+    pub fn received(&mut self, message: proto::CloudMessage) -> Step {
+        match message.kind {
+            Some(cloud_message::Kind::Update(update)) => plan_update(update),
+            Some(cloud_message::Kind::UplinkAck(ack)) => {
+                self.in_flight.acknowledged(ack.seq);
+                Step::UplinkAcked(ack.seq)
+            }
+            Some(cloud_message::Kind::InventoryRequest(_)) => Step::ListHoldings,
+            Some(cloud_message::Kind::Heartbeat(_)) | None => Step::Nothing,
+        }
+    }
+
+    /// Where the next uplink batch starts (entries after this sequence
+    /// number) and how many entries it may hold.
+    pub fn next_batch(&self, max: usize) -> (u64, usize) {
+        (self.in_flight.sent_up_to(), self.in_flight.room().min(max))
+    }
+
+    /// The Uplink message for a batch read from the outbox; the entries
+    /// count as in flight from now on.
+    pub fn uplink(&mut self, batch: Vec<(u64, PendingUplink)>) -> proto::Uplink {
+        self.in_flight.sent(batch.iter().map(|(seq, _)| *seq));
+        proto::Uplink {
+            entries: batch
+                .into_iter()
+                .map(|(seq, pending)| proto::UplinkEntry {
+                    seq,
+                    body: Some(uplink_body(pending)),
+                })
+                .collect(),
+        }
+    }
+}
+
+/// The Hello of an agent whose store `store_id` holds `held`: the
+/// holdings go as a digest, and the cloud asks for the list if needed.
+pub fn hello<'a>(
+    node: &str,
+    agent_version: &str,
+    boot_id: &str,
+    store_id: &str,
+    held: impl IntoIterator<Item = (&'a ResourceKey, &'a ResourceVersion)>,
+) -> proto::Hello {
+    let digest = HoldingsDigest::of(held);
+    proto::Hello {
+        node: node.to_owned(),
+        agent_version: agent_version.to_owned(),
+        boot_id: boot_id.to_owned(),
+        held: Vec::new(),
+        store_id: store_id.to_owned(),
+        held_digest: digest.to_bytes(),
+        held_count: digest.count(),
+    }
+}
+
+/// The answer to an InventoryRequest.
+pub fn inventory(held: &[(ResourceKey, ResourceVersion)]) -> proto::Inventory {
+    proto::Inventory {
+        held: held
+            .iter()
+            .map(|(key, version)| proto::HeldResource {
+                key: key.to_string(),
+                version: Some(version.into()),
+            })
+            .collect(),
+    }
+}
+
+/// Judges an Update resource by resource: what to store, and the reply to
+/// send once it is durable.
+pub fn plan_update(update: proto::Update) -> Step {
+    let mut upserts = Vec::with_capacity(update.upserts.len());
+    let mut rejected = Vec::new();
+    for resource in update.upserts {
+        match desired_device(&resource) {
+            Ok(entry) => upserts.push(entry),
+            Err(reason) => rejected.push(proto::RejectedResource {
+                key: resource.key,
+                reason,
+            }),
+        }
+    }
+    let mut removals = Vec::with_capacity(update.removals.len());
+    for key in update.removals {
+        match key.parse::<ResourceKey>() {
+            Ok(parsed) => removals.push(parsed),
+            Err(e) => rejected.push(proto::RejectedResource {
+                key,
+                reason: e.to_string(),
+            }),
+        }
+    }
+    let reply = if rejected.is_empty() {
+        agent_message::Kind::Ack(proto::Ack {
+            nonce: update.nonce,
+        })
+    } else {
+        agent_message::Kind::Nack(proto::Nack {
+            nonce: update.nonce,
+            rejected,
+        })
+    };
+    Step::Store {
+        upserts,
+        removals,
+        reply,
+    }
+}
+
+/// A resource of an Update as the store keeps it.
+fn desired_device(resource: &proto::Resource) -> Result<(ResourceKey, DesiredDevice), String> {
+    let key: ResourceKey = resource
+        .key
+        .parse()
+        .map_err(|e: edgefleet_shared::key::ResourceKeyError| e.to_string())?;
+    let version = resource.version.as_ref().ok_or("no version")?;
+    let Some(resource::Body::Device(device)) = &resource.body else {
+        return Err("no device body".into());
+    };
+    let transport = match proto::Transport::try_from(device.transport) {
+        Ok(proto::Transport::Coap) => Transport::Coap,
+        Ok(proto::Transport::Mqtt) => Transport::Mqtt,
+        _ => return Err(format!("unknown transport {}", device.transport)),
+    };
+    let properties = device
+        .properties
+        .iter()
+        .map(|(k, v)| Ok((k.clone(), PropertyValue::try_from(v)?)))
+        .collect::<Result<BTreeMap<_, _>, proto::MissingField>>()
+        .map_err(|e| e.to_string())?;
+    let firmware = device.firmware.as_ref().map(|f| FirmwareOrder {
+        version: f.version.clone(),
+        url: (!f.url.is_empty()).then(|| f.url.clone()),
+        sha256: (!f.sha256.is_empty()).then(|| f.sha256.clone()),
+    });
+    Ok((
+        key,
+        DesiredDevice {
+            version: version.into(),
+            model: device.model.clone(),
+            transport,
+            properties,
+            firmware,
+        },
+    ))
+}
+
+/// The uplink entries sent in this session and not yet acknowledged, at
+/// most [`proto::UPLINK_WINDOW`].
+#[derive(Debug, Default)]
+pub struct InFlight {
+    seqs: VecDeque<u64>,
+    sent_up_to: u64,
+}
+
+impl InFlight {
+    /// The highest sequence number sent in this session (0: none).
+    pub fn sent_up_to(&self) -> u64 {
+        self.sent_up_to
+    }
+
+    /// How many more entries may go now.
+    pub fn room(&self) -> usize {
+        proto::UPLINK_WINDOW.saturating_sub(self.seqs.len())
+    }
+
+    pub fn sent(&mut self, seqs: impl IntoIterator<Item = u64>) {
+        for seq in seqs {
+            self.seqs.push_back(seq);
+            self.sent_up_to = seq;
+        }
+    }
+
+    pub fn acknowledged(&mut self, up_to: u64) {
+        while self.seqs.front().is_some_and(|seq| *seq <= up_to) {
+            self.seqs.pop_front();
+        }
+    }
+}
+
+/// An outbox entry as the sync protocol carries it.
+pub fn uplink_body(pending: PendingUplink) -> uplink_entry::Body {
+    match pending {
+        PendingUplink::Report { device, latest } => uplink_entry::Body::Report(proto::Report {
+            device_key: device.to_string(),
+            applied_generation: latest.report.applied_generation,
+            properties: latest
+                .report
+                .properties
+                .iter()
+                .map(|(k, v)| (k.clone(), v.into()))
+                .collect(),
+            firmware_version: latest.report.firmware_version.unwrap_or_default(),
+            received_at_ms: latest.received_at_ms,
+        }),
+        PendingUplink::Event { device, stored } => uplink_entry::Body::Event(proto::Event {
+            device_key: device.to_string(),
+            r#type: if stored.event.warning {
+                proto::EventType::Warning
+            } else {
+                proto::EventType::Normal
+            }
+            .into(),
+            reason: stored.event.reason,
+            message: stored.event.message,
+            at_ms: stored.at_ms,
+            device_event_id: stored.event.id,
+        }),
+        PendingUplink::EventsDropped(dropped) => {
+            uplink_entry::Body::EventsDropped(proto::EventsDropped {
+                count: dropped.count,
+                first_at_ms: dropped.first_at_ms,
+                last_at_ms: dropped.last_at_ms,
+                bound: dropped.bound,
+            })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn resource(name: &str, transport: proto::Transport) -> proto::Resource {
+        proto::Resource {
+            key: ResourceKey::device("plant", name).to_string(),
+            version: Some((&ResourceVersion::new(format!("uid-{name}"), 1)).into()),
+            body: Some(resource::Body::Device(proto::DeviceDesired {
+                namespace: "plant".into(),
+                name: name.into(),
+                model: "thermostat".into(),
+                transport: transport as i32,
+                ..Default::default()
+            })),
+        }
+    }
+
+    #[test]
+    fn one_invalid_resource_is_refused_alone_and_the_rest_is_stored() {
+        let update = proto::Update {
+            nonce: "7".into(),
+            upserts: vec![
+                resource("a", proto::Transport::Coap),
+                resource("bad", proto::Transport::Unspecified),
+                resource("c", proto::Transport::Mqtt),
+            ],
+            removals: vec![ResourceKey::device("plant", "gone").to_string()],
+        };
+        let Step::Store {
+            upserts,
+            removals,
+            reply,
+        } = plan_update(update)
+        else {
+            panic!("an Update is stored");
+        };
+        let stored: Vec<String> = upserts.iter().map(|(k, _)| k.to_string()).collect();
+        assert_eq!(stored, ["device/plant/a", "device/plant/c"]);
+        assert_eq!(removals, [ResourceKey::device("plant", "gone")]);
+        let agent_message::Kind::Nack(nack) = reply else {
+            panic!("a refusal is a Nack");
+        };
+        assert_eq!(nack.nonce, "7");
+        assert_eq!(nack.rejected.len(), 1);
+        assert_eq!(nack.rejected[0].key, "device/plant/bad");
+    }
+
+    #[test]
+    fn the_window_closes_when_full_and_opens_with_acknowledgements() {
+        let mut in_flight = InFlight::default();
+        assert_eq!(in_flight.room(), proto::UPLINK_WINDOW);
+        // Sequence numbers have gaps where reports were compacted.
+        in_flight.sent((1..=proto::UPLINK_WINDOW as u64).map(|n| n * 2));
+        assert_eq!(in_flight.room(), 0);
+        assert_eq!(in_flight.sent_up_to, proto::UPLINK_WINDOW as u64 * 2);
+        in_flight.acknowledged(9); // covers 2, 4, 6, 8
+        assert_eq!(in_flight.room(), 4);
+        in_flight.acknowledged(9); // a repeated acknowledgement frees nothing
+        assert_eq!(in_flight.room(), 4);
+        in_flight.acknowledged(u64::MAX);
+        assert_eq!(in_flight.room(), proto::UPLINK_WINDOW);
+    }
+}

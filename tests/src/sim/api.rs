@@ -1,0 +1,184 @@
+//! The simulated API server: Devices with uid, generation, node and the one
+//! status field the sync protocol feeds back (`deliveredGeneration`), and
+//! the churn a fleet update causes — creates, spec changes, deletes,
+//! delete-and-recreate under the same name, moves between nodes, specs the
+//! agent refuses.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use edgefleet_cloud::index::{IndexedDevice, NodeSlice};
+use edgefleet_cloud::sync::Holdings;
+use edgefleet_shared::api::{Device, DeviceSpec, DeviceStatus, Transport};
+use edgefleet_shared::{ResourceKey, ResourceVersion, proto};
+use rand::RngExt;
+use rand_chacha::ChaCha8Rng;
+
+/// The namespace of every simulated Device.
+const NAMESPACE: &str = "sim";
+
+/// One Device as the API server stores it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SimDevice {
+    /// `metadata.uid`.
+    pub uid: String,
+    /// `metadata.generation`.
+    pub generation: i64,
+    /// `spec.node`.
+    pub node: String,
+    /// False for a spec the agent must refuse (the simulator sends it with
+    /// no transport, which no agent accepts).
+    pub valid: bool,
+    /// `status.deliveredGeneration` (for this uid).
+    pub delivered: Option<i64>,
+}
+
+impl SimDevice {
+    /// Its version as the sync protocol tracks it.
+    pub fn version(&self) -> ResourceVersion {
+        ResourceVersion::new(self.uid.clone(), self.generation)
+    }
+}
+
+/// The Devices, by key.
+#[derive(Clone, Debug, Default)]
+pub struct Api {
+    /// Every Device.
+    pub devices: BTreeMap<ResourceKey, SimDevice>,
+    next_uid: u64,
+}
+
+/// A change the simulator made, for the trace.
+pub type Churn = String;
+
+impl Api {
+    /// A Device as kube-rs would read it, for the controller's own
+    /// conversions.
+    fn device(key: &ResourceKey, d: &SimDevice) -> Device {
+        let mut device = Device::new(
+            &key.name,
+            DeviceSpec {
+                node: d.node.clone(),
+                model: "thermostat".into(),
+                transport: Transport::Coap,
+                desired: BTreeMap::new(),
+                firmware: None,
+            },
+        );
+        device.metadata.namespace = Some(key.namespace.clone());
+        device.metadata.uid = Some(d.uid.clone());
+        device.metadata.generation = Some(d.generation);
+        device.status = Some(DeviceStatus {
+            delivered_generation: d.delivered,
+            ..Default::default()
+        });
+        device
+    }
+
+    /// What the controller's index holds for `node`, built by the
+    /// controller's own conversion.
+    pub fn slice(&self, node: &str) -> NodeSlice {
+        self.devices
+            .iter()
+            .filter(|(_, d)| d.node == node)
+            .filter_map(|(key, d)| {
+                let (key, mut entry) = IndexedDevice::from_device(&Self::device(key, d))?;
+                if !d.valid {
+                    entry.desired.transport = proto::Transport::Unspecified as i32;
+                }
+                Some((key, Arc::new(entry)))
+            })
+            .collect()
+    }
+
+    /// What the Devices' statuses say was delivered to `node`, by the
+    /// controller's own reading of them.
+    pub fn delivered_to(&self, node: &str) -> Holdings {
+        let devices: Vec<Device> = self
+            .devices
+            .iter()
+            .map(|(k, d)| Self::device(k, d))
+            .collect();
+        edgefleet_cloud::agents::delivered_to(node, &devices)
+    }
+
+    /// A status write `Delivered{uid, generation}`: it lands only on the
+    /// object with that uid (a recreated Device is another object), and
+    /// never moves the generation back.
+    pub fn record_delivered(&mut self, key: &ResourceKey, uid: &str, generation: i64) {
+        if let Some(d) = self.devices.get_mut(key).filter(|d| d.uid == uid) {
+            d.delivered = Some(d.delivered.map_or(generation, |g| g.max(generation)));
+        }
+    }
+
+    fn new_uid(&mut self) -> String {
+        self.next_uid += 1;
+        format!("uid-{}", self.next_uid)
+    }
+
+    /// One random change among `names` Device names and `nodes`.
+    pub fn churn(&mut self, rng: &mut ChaCha8Rng, names: usize, nodes: &[String]) -> Churn {
+        let key = ResourceKey::device(NAMESPACE, format!("d{}", rng.random_range(0..names)));
+        let node = nodes[rng.random_range(0..nodes.len())].clone();
+        // Most specs are valid; a few are refused by the agent.
+        let valid = rng.random_bool(0.9);
+        let Some(existing) = self.devices.get(&key).cloned() else {
+            let uid = self.new_uid();
+            let device = SimDevice {
+                uid,
+                generation: 1,
+                node,
+                valid,
+                delivered: None,
+            };
+            let text = format!(
+                "create {key} {} on {} valid={valid}",
+                device.version(),
+                device.node
+            );
+            self.devices.insert(key, device);
+            return text;
+        };
+        match rng.random_range(0..10) {
+            0..=3 => {
+                let d = self.devices.get_mut(&key).expect("exists");
+                d.generation += 1;
+                d.valid = valid;
+                format!("update {key} to {} valid={valid}", d.version())
+            }
+            4..=5 => {
+                self.devices.remove(&key);
+                format!("delete {key} ({})", existing.version())
+            }
+            6..=7 => {
+                let uid = self.new_uid();
+                let device = SimDevice {
+                    uid,
+                    generation: 1,
+                    node: if rng.random_bool(0.5) {
+                        existing.node.clone()
+                    } else {
+                        node
+                    },
+                    valid,
+                    delivered: None,
+                };
+                let text = format!(
+                    "recreate {key} ({} -> {}) on {}",
+                    existing.version(),
+                    device.version(),
+                    device.node
+                );
+                self.devices.insert(key, device);
+                text
+            }
+            _ => {
+                let d = self.devices.get_mut(&key).expect("exists");
+                // Moving a Device changes its spec: a new generation.
+                d.generation += 1;
+                d.node = node;
+                format!("move {key} to {} at {}", d.node, d.version())
+            }
+        }
+    }
+}
