@@ -222,6 +222,9 @@ async fn feed_index(
             Ok(watcher::Event::InitApply(device)) => relist.push(device),
             Ok(watcher::Event::InitDone) => {
                 index.replace_all(&relist);
+                // What the writer remembers may be about objects deleted
+                // while the watch was away: start from what was listed.
+                status.forget_all();
                 relist.clear();
             }
             Err(error) => tracing::warn!(%error, "Device watch failed; retrying"),

@@ -59,6 +59,9 @@ pub enum StatusChange {
     },
     /// The device reported.
     Reported {
+        /// The Device's uid the report is about: it changes only that
+        /// object's status, never a Device recreated under the same name.
+        uid: String,
         /// Generation the device says it applied.
         applied_generation: i64,
         /// Its property values.
@@ -118,6 +121,12 @@ pub struct StatusMetrics {
     pub gone: prometheus_client::metrics::counter::Counter,
     /// Reports older than the one the status shows, ignored.
     pub stale: prometheus_client::metrics::counter::Counter,
+    /// Reports about another object than the Device now under that name
+    /// (deleted and created again), ignored.
+    pub other_object: prometheus_client::metrics::counter::Counter,
+    /// Writes the API server refused for good (400, 413, 422: another
+    /// object by now, or a status the schema refuses), dropped.
+    pub refused: prometheus_client::metrics::counter::Counter,
 }
 
 impl StatusMetrics {
@@ -149,6 +158,16 @@ impl StatusMetrics {
             "Reports older than the one the status shows, ignored",
             self.stale.clone(),
         );
+        registry.register(
+            "other_object",
+            "Reports about a Device since deleted and created again under the same name, ignored",
+            self.other_object.clone(),
+        );
+        registry.register(
+            "refused",
+            "Status writes the API server refused for good (400, 413, 422), dropped",
+            self.refused.clone(),
+        );
     }
 }
 
@@ -174,8 +193,9 @@ struct State {
     // Devices with a write on its way: never two writes for one device at
     // once, so they cannot land out of order.
     writing: HashSet<ResourceKey>,
-    // The status as this manager last wrote it: the base of the next write.
-    written: HashMap<ResourceKey, DeviceStatus>,
+    // The status as this manager last wrote it, with the uid of the object
+    // it was written to: the base of the next write to that same object.
+    written: HashMap<ResourceKey, (String, DeviceStatus)>,
 }
 
 /// The status writer. Cheap to clone; one [`StatusWriter::run`] task does
@@ -364,12 +384,14 @@ impl StatusWriter {
             complete(&pending.completions);
             return Ok(());
         };
+        let uid = device.metadata.uid.clone().unwrap_or_default();
         let base = {
             let state = self.inner.state.lock().expect("status state");
             state
                 .written
                 .get(key)
-                .cloned()
+                .filter(|(written_to, _)| *written_to == uid)
+                .map(|(_, status)| status.clone())
                 .unwrap_or_else(|| device.status.clone().unwrap_or_default())
         };
         let now = Timestamp::now();
@@ -383,7 +405,12 @@ impl StatusWriter {
                 _ => None,
             })
             .fold(device.metadata.generation.unwrap_or_default(), i64::max);
-        let uid = device.metadata.uid.clone().unwrap_or_default();
+        let other_object = pending
+            .changes
+            .iter()
+            .filter(|c| matches!(c, StatusChange::Reported { uid: about, .. } if *about != uid))
+            .count();
+        self.inner.metrics.other_object.inc_by(other_object as u64);
         let stale = count_stale(&base, &pending.changes);
         self.inner.metrics.stale.inc_by(stale);
         let next = next_status(&base, &pending.changes, &uid, generation, now);
@@ -392,7 +419,7 @@ impl StatusWriter {
             if next != base {
                 // Only the report's origin moved: remember it for the guard.
                 let mut state = self.inner.state.lock().expect("status state");
-                state.written.insert(key.clone(), next);
+                state.written.insert(key.clone(), (uid, next));
             }
             complete(&pending.completions);
             return Ok(());
@@ -400,14 +427,17 @@ impl StatusWriter {
 
         self.inner.limiter.until_ready().await;
         let api: Api<Device> = Api::namespaced(self.inner.client.clone(), &key.namespace);
-        let patch = serde_json::json!({
-            "apiVersion": "edgefleet.io/v1alpha1",
-            "kind": "Device",
-            "status": next,
-        });
-        let params = PatchParams::apply(FIELD_MANAGER).force();
+        // The uid is a precondition (a JSON Patch `test`; server-side apply
+        // ignores `metadata.uid`): if the Device was deleted and created
+        // again since the reflector saw it, the write is refused instead of
+        // landing on the new object.
+        let patch = status_patch(&uid, &next);
+        let params = PatchParams {
+            field_manager: Some(FIELD_MANAGER.to_owned()),
+            ..Default::default()
+        };
         match api
-            .patch_status(&key.name, &params, &Patch::Apply(&patch))
+            .patch_status(&key.name, &params, &Patch::Json::<()>(patch))
             .await
         {
             Ok(_) => {
@@ -430,7 +460,22 @@ impl StatusWriter {
                     .lock()
                     .expect("status state")
                     .written
-                    .insert(key.clone(), next);
+                    .insert(key.clone(), (uid, next));
+                complete(&pending.completions);
+                Ok(())
+            }
+            // A write that can never succeed: another object by now (the
+            // uid test fails), or a status the schema refuses. Retrying it
+            // forever would hold the device's later changes back.
+            Err(kube::Error::Api(status)) if matches!(status.code, 400 | 413 | 422) => {
+                self.inner.metrics.refused.inc();
+                tracing::warn!(device = %key, %uid, code = status.code, message = %status.message, "status write refused by the API server; dropped");
+                self.inner
+                    .state
+                    .lock()
+                    .expect("status state")
+                    .written
+                    .remove(key);
                 complete(&pending.completions);
                 Ok(())
             }
@@ -452,6 +497,17 @@ impl StatusWriter {
         }
     }
 
+    /// Forgets every Device, as after a relist: the next write of each
+    /// starts from the status the reflector shows.
+    pub fn forget_all(&self) {
+        self.inner
+            .state
+            .lock()
+            .expect("status state")
+            .written
+            .clear();
+    }
+
     /// Forgets a deleted Device.
     pub fn forget(&self, key: &ResourceKey) {
         self.inner
@@ -461,6 +517,15 @@ impl StatusWriter {
             .written
             .remove(key);
     }
+}
+
+/// The patch that sets `status` on the object with `uid`, and on no other.
+fn status_patch(uid: &str, status: &DeviceStatus) -> json_patch::Patch {
+    serde_json::from_value(serde_json::json!([
+        { "op": "test", "path": "/metadata/uid", "value": uid },
+        { "op": "add", "path": "/status", "value": status },
+    ]))
+    .expect("a test and an add are a JSON Patch")
 }
 
 /// Takes the first device of `queue` with changes pending and no write on
@@ -581,12 +646,16 @@ pub fn next_status(
                 }
             }
             StatusChange::Reported {
+                uid: about,
                 applied_generation,
                 properties,
                 firmware_version,
                 received_at_ms,
                 origin,
             } => {
+                if about != uid {
+                    continue;
+                }
                 if let Some(origin) = origin {
                     if origin.is_stale_against(next.last_report.as_ref()) {
                         continue;
@@ -744,6 +813,7 @@ mod tests {
 
     fn report(applied: i64, temperature: f64, ms: i64) -> StatusChange {
         StatusChange::Reported {
+            uid: "u".into(),
             applied_generation: applied,
             properties: BTreeMap::from([(
                 "temperature".to_owned(),
@@ -767,6 +837,7 @@ mod tests {
             unreachable!()
         };
         StatusChange::Reported {
+            uid: "u".into(),
             applied_generation,
             properties,
             firmware_version,

@@ -90,6 +90,11 @@ pub struct LatestReport {
     /// content heard again later only moves `received_at_ms`.
     #[serde(default)]
     pub queued_at_ms: i64,
+    /// The uid of the Device the agent held for this device when the
+    /// report came (empty if it held none): the object the report is
+    /// about, so a report never lands on a Device recreated since.
+    #[serde(default)]
+    pub uid: String,
     /// What the device said.
     pub report: DeviceReport,
 }
@@ -118,6 +123,10 @@ pub struct StoredEvent {
     pub device: String,
     /// When the agent received it (Unix milliseconds).
     pub at_ms: i64,
+    /// The uid of the Device the agent held for this device when the
+    /// event came (empty if it held none).
+    #[serde(default)]
+    pub uid: String,
     /// What the device said.
     pub event: DeviceEvent,
 }
@@ -386,21 +395,61 @@ impl Store {
         upserts: &[(ResourceKey, DesiredDevice)],
         removals: &[ResourceKey],
     ) -> Result<(), StoreError> {
-        let mut batch = sled::Batch::default();
+        // A device that leaves the node, or whose Device is replaced by
+        // another object under the same name, starts afresh: its latest
+        // report (and that report's outbox entry) and the event ids it
+        // used are about the object that is gone.
+        let mut leaving: Vec<String> = removals.iter().map(|k| k.to_string()).collect();
         for (key, device) in upserts {
-            batch.insert(key.to_string().as_bytes(), encode(device));
+            if self
+                .desired(key)?
+                .is_some_and(|held| held.version.uid != device.version.uid)
+            {
+                leaving.push(key.to_string());
+            }
         }
-        for key in removals {
-            batch.remove(key.to_string().as_bytes());
-        }
-        self.desired.apply_batch(batch)?;
+        let upserts: Vec<(String, Vec<u8>)> = upserts
+            .iter()
+            .map(|(key, device)| (key.to_string(), encode(device)))
+            .collect();
+        let result = (&self.desired, &self.reported, &self.outbox, &self.event_ids).transaction(
+            |(desired, reported, outbox, event_ids)| {
+                for (key, device) in &upserts {
+                    desired.insert(key.as_bytes(), device.as_slice())?;
+                }
+                for key in removals {
+                    desired.remove(key.to_string().as_bytes())?;
+                }
+                for key in &leaving {
+                    if let Some(bytes) = reported.remove(key.as_bytes())? {
+                        let previous: LatestReport = decode(key.as_bytes(), &bytes)
+                            .map_err(ConflictableTransactionError::Abort)?;
+                        outbox.remove(&previous.seq.to_be_bytes())?;
+                    }
+                    event_ids.remove(key.as_bytes())?;
+                }
+                Ok(())
+            },
+        );
+        result.map_err(from_transaction)?;
         self.flusher.flush().await?;
         // Nobody listening is fine: publishers read the store when they start.
         let _ = self.desired_changes.send(DesiredChange {
-            upserted: upserts.iter().map(|(k, _)| k.clone()).collect(),
+            upserted: upserts
+                .iter()
+                .map(|(k, _)| k.parse().expect("keys were ResourceKeys"))
+                .collect(),
             removed: removals.to_vec(),
         });
         Ok(())
+    }
+
+    /// The uid of the Device held for `device`, or empty.
+    fn held_uid(&self, device: &ResourceKey) -> Result<String, StoreError> {
+        Ok(self
+            .desired(device)?
+            .map(|d| d.version.uid)
+            .unwrap_or_default())
     }
 
     /// Durable changes of desired state from now on. A receiver that falls
@@ -434,6 +483,7 @@ impl Store {
         received_at_ms: i64,
     ) -> Result<u64, StoreError> {
         let key = device.to_string();
+        let uid = self.held_uid(device)?;
         let entry = encode(&OutboxEntry::Report {
             device: key.clone(),
         });
@@ -449,7 +499,10 @@ impl Store {
                     ),
                     None => None,
                 };
-                if let Some(previous) = previous.as_ref().filter(|p| p.report == report) {
+                if let Some(previous) = previous
+                    .as_ref()
+                    .filter(|p| p.report == report && p.uid == uid)
+                {
                     let keepalive_due = link_up_since > 0
                         && received_at_ms - previous.queued_at_ms.max(link_up_since)
                             >= UNCHANGED_REPORT_KEEPALIVE_MS;
@@ -470,6 +523,7 @@ impl Store {
                     seq,
                     received_at_ms,
                     queued_at_ms: received_at_ms,
+                    uid: uid.clone(),
                     report: report.clone(),
                 };
                 reported.insert(key.as_bytes(), encode(&latest))?;
@@ -496,6 +550,7 @@ impl Store {
         received_at_ms: i64,
     ) -> Result<EventOutcome, StoreError> {
         let key = device.to_string();
+        let uid = self.held_uid(device)?;
         let outcome = {
             let mut queued = self.events.lock().expect("event count");
             let highest = self
@@ -514,6 +569,7 @@ impl Store {
                 let entry = encode(&OutboxEntry::Event(StoredEvent {
                     device: key.clone(),
                     at_ms: received_at_ms,
+                    uid: uid.clone(),
                     event: event.clone(),
                 }));
                 let bound = self.max_events;

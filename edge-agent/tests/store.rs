@@ -407,3 +407,46 @@ async fn an_unchanged_report_queues_again_only_as_a_keepalive_while_connected() 
     assert!(changed > due);
     assert_eq!(store.outbox_depth(), 1, "compacted to the latest");
 }
+
+#[tokio::test]
+async fn reports_and_events_name_the_object_they_are_about_and_start_afresh_when_it_is_replaced() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = open(&tmp.path().join("store"));
+    let a = ResourceKey::device("plant", "a");
+    store
+        .apply(&[(a.clone(), thermostat("old", 3, 20.0))], &[])
+        .await
+        .unwrap();
+    store.record_report(&a, report(3, 21.0), 1).await.unwrap();
+    store
+        .record_event(&a, event(7, "SelfCheck"), 1)
+        .await
+        .unwrap();
+    let pending = store.pending_uplink(0, 10).unwrap();
+    assert!(matches!(&pending[0].1, PendingUplink::Report { latest, .. } if latest.uid == "old"));
+    assert!(matches!(&pending[1].1, PendingUplink::Event { stored, .. } if stored.uid == "old"));
+
+    // The Device is deleted and created again under the same name: the old
+    // object's report leaves the outbox (its event stays: it happened),
+    // and the device's event ids start afresh.
+    store
+        .apply(&[(a.clone(), thermostat("new", 1, 20.0))], &[])
+        .await
+        .unwrap();
+    assert!(store.latest_report(&a).unwrap().is_none());
+    let pending = store.pending_uplink(0, 10).unwrap();
+    assert_eq!(pending.len(), 1);
+    assert!(matches!(&pending[0].1, PendingUplink::Event { .. }));
+    assert!(matches!(
+        store.record_event(&a, event(1, "Booted"), 2).await.unwrap(),
+        EventOutcome::Stored { .. }
+    ));
+    // The same content reported again is news for the new object.
+    store.record_report(&a, report(3, 21.0), 3).await.unwrap();
+    let latest = store.latest_report(&a).unwrap().unwrap();
+    assert_eq!(latest.uid, "new");
+
+    // Removed from the node: its report state goes too.
+    store.apply(&[], std::slice::from_ref(&a)).await.unwrap();
+    assert!(store.latest_report(&a).unwrap().is_none());
+}

@@ -252,6 +252,61 @@ async fn writing_status_does_not_bump_the_generation() {
     assert_eq!(read.status.and_then(|s| s.applied_generation), Some(1));
 }
 
+/// The controller's status writes test the object's uid (a JSON Patch
+/// `test`; server-side apply ignores `metadata.uid`); the API server refuses
+/// such a write once the Device was deleted and created again under the
+/// same name, so a late write never lands on the new object.
+#[tokio::test]
+async fn a_status_write_naming_the_uid_is_refused_by_a_recreated_device() {
+    let client = control_plane().client().await;
+    let ns = test_namespace(&client, "status-uid").await;
+    let api: Api<Device> = Api::namespaced(client, &ns);
+    let create = || async {
+        api.create(
+            &PostParams::default(),
+            &Device::new("d1", thermostat_spec("edge-1")),
+        )
+        .await
+        .unwrap()
+        .meta()
+        .uid
+        .clone()
+        .unwrap()
+    };
+    let write = |uid: String| {
+        let api = api.clone();
+        async move {
+            let patch: json_patch::Patch = serde_json::from_value(json!([
+                { "op": "test", "path": "/metadata/uid", "value": uid },
+                { "op": "add", "path": "/status", "value": { "deliveredGeneration": 1 } },
+            ]))
+            .unwrap();
+            api.patch_status(
+                "d1",
+                &PatchParams {
+                    field_manager: Some(FIELD_MANAGER.into()),
+                    ..Default::default()
+                },
+                &Patch::Json::<()>(patch),
+            )
+            .await
+        }
+    };
+    let old = create().await;
+    write(old.clone()).await.expect("the right uid is accepted");
+    api.delete("d1", &Default::default()).await.unwrap();
+    let new = create().await;
+    match write(old).await {
+        Err(kube::Error::Api(status)) => assert_eq!(status.code, 422, "{status:?}"),
+        other => panic!("a write naming the old uid landed: {other:?}"),
+    }
+    let read = api.get("d1").await.unwrap();
+    assert_eq!(read.status.and_then(|s| s.delivered_generation), None);
+    write(new)
+        .await
+        .expect("the new object's own uid is accepted");
+}
+
 #[tokio::test]
 async fn spec_writes_through_the_main_resource_cannot_change_status() {
     let client = control_plane().client().await;

@@ -645,6 +645,76 @@ async fn a_newer_session_of_a_node_ends_the_older_one() {
     }
 }
 
+#[tokio::test]
+async fn a_report_about_a_deleted_device_never_lands_on_the_one_recreated_under_its_name() {
+    let Setup {
+        client,
+        ns,
+        controller,
+        node,
+        ..
+    } = Setup::new("recreate").await;
+    let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
+    create_thermostat(&devices, "a", &node, 20.0).await;
+    let key = ResourceKey::device(&ns, "a");
+    let old_uid = devices.get("a").await.unwrap().metadata.uid.unwrap();
+    let hello = proto::Hello {
+        node: node.clone(),
+        agent_version: "raw".into(),
+        boot_id: "b".into(),
+        store_id: "store-recreate".into(),
+        ..Default::default()
+    };
+    let mut agent = RawAgent::connect(&controller, hello).await;
+    agent.ack_updates_until(|u| !u.upserts.is_empty()).await;
+
+    // Deleted (the agent acknowledges the removal, so the finalizer goes)
+    // and created again under the same name: another object.
+    devices.delete("a", &Default::default()).await.unwrap();
+    agent
+        .ack_updates_until(|u| u.removals.contains(&key.to_string()))
+        .await;
+    edgefleet_tests::eventually_within(edgefleet_tests::PATIENCE, "a is gone", || async {
+        devices.get_opt("a").await.unwrap().is_none().then_some(())
+    })
+    .await;
+    create_thermostat(&devices, "a", &node, 20.0).await;
+    let new_uid = devices.get("a").await.unwrap().metadata.uid.unwrap();
+    assert_ne!(old_uid, new_uid);
+    agent
+        .ack_updates_until(|u| {
+            u.upserts
+                .iter()
+                .any(|r| r.version.as_ref().is_some_and(|v| v.uid == new_uid))
+        })
+        .await;
+
+    // A report the old object's device made, arriving late.
+    agent.send(report_about(&key, &old_uid, 1, 99.0)).await;
+    agent.until_uplink_ack(1).await;
+    let shown = devices.get("a").await.unwrap();
+    let reported = shown.status.as_ref().map(|s| s.reported.clone());
+    assert!(
+        reported.as_ref().is_none_or(|r| r.is_empty()),
+        "the recreated Device shows the old one's report: {reported:?}"
+    );
+    assert_eq!(controller.status.metrics().other_object.get(), 1);
+
+    // Its own reports land.
+    agent.send(report_about(&key, &new_uid, 2, 21.0)).await;
+    agent.until_uplink_ack(2).await;
+    let shown = devices.get("a").await.unwrap();
+    assert_eq!(
+        shown
+            .status
+            .unwrap()
+            .reported
+            .get("temperature")
+            .and_then(PropertyValue::as_f64),
+        Some(21.0)
+    );
+}
+
 /// A sync stream driven by hand, to send what a real agent never would.
 struct RawAgent {
     tx: tokio::sync::mpsc::Sender<proto::AgentMessage>,
@@ -683,6 +753,27 @@ impl RawAgent {
             .and_then(|m| m.kind)
     }
 
+    /// Acks every Update until one for which `done` holds.
+    async fn ack_updates_until(&mut self, mut done: impl FnMut(&proto::Update) -> bool) {
+        let wait = async {
+            loop {
+                let message = self.inbound.message().await.unwrap().expect("stream open");
+                if let Some(proto::cloud_message::Kind::Update(update)) = message.kind {
+                    let ack = proto::Ack {
+                        nonce: update.nonce.clone(),
+                    };
+                    self.send(proto::agent_message::Kind::Ack(ack)).await;
+                    if done(&update) {
+                        return;
+                    }
+                }
+            }
+        };
+        tokio::time::timeout(edgefleet_tests::PATIENCE, wait)
+            .await
+            .expect("the awaited Update never came");
+    }
+
     /// Acks every Update and returns once an UplinkAck reaches `seq`.
     async fn until_uplink_ack(&mut self, seq: u64) {
         let wait = async {
@@ -711,7 +802,18 @@ fn agent_message(kind: proto::agent_message::Kind) -> proto::AgentMessage {
 }
 
 fn uplink_report(key: &ResourceKey, seq: u64, temperature: f64) -> proto::agent_message::Kind {
+    report_about(key, "", seq, temperature)
+}
+
+/// A report of the Device with uid `uid` (empty: not said).
+fn report_about(
+    key: &ResourceKey,
+    uid: &str,
+    seq: u64,
+    temperature: f64,
+) -> proto::agent_message::Kind {
     let report = proto::Report {
+        device_uid: uid.to_owned(),
         device_key: key.to_string(),
         applied_generation: 1,
         properties: [(

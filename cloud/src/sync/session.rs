@@ -19,6 +19,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use edgefleet_shared::api::ReportOrigin;
+use edgefleet_shared::codec::WireMessage;
 use edgefleet_shared::holdings::HoldingsDigest;
 use edgefleet_shared::proto::{self, agent_message, cloud_message, resource, uplink_entry};
 use edgefleet_shared::{ResourceKey, ResourceVersion};
@@ -455,8 +456,24 @@ impl Session {
             Some(uplink_entry::Body::Report(report)) => report,
             Some(uplink_entry::Body::Event(event)) => {
                 let key: ResourceKey = event.device_key.parse().map_err(|_| "bad_device_key")?;
-                let uid = self.device_uid(&key, entry.seq)?;
-                if event.device_event_id == 0 || event.reason.is_empty() {
+                let known = self.device_uid(&key, entry.seq)?;
+                // The object the agent says it is about; an older agent
+                // does not say, and the current one is the best guess.
+                let warning = event.r#type() == proto::EventType::Warning;
+                let uid = if event.device_uid.is_empty() {
+                    known
+                } else {
+                    event.device_uid
+                };
+                // The limits a device's own message is held to, which are
+                // the limits of the Event the cloud will write.
+                let checked = edgefleet_shared::codec::DeviceEvent {
+                    id: event.device_event_id,
+                    warning: false,
+                    reason: event.reason.clone(),
+                    message: event.message.clone(),
+                };
+                if event.device_event_id == 0 || checked.validate().is_err() {
                     return Err("bad_event");
                 }
                 return Ok(Accepted::Event(DeviceEvent {
@@ -464,7 +481,7 @@ impl Session {
                     uid,
                     node: self.node.clone(),
                     id: event.device_event_id,
-                    warning: event.r#type() == proto::EventType::Warning,
+                    warning,
                     reason: event.reason,
                     message: event.message,
                     at_ms: event.at_ms,
@@ -484,16 +501,34 @@ impl Session {
             None => return Err("empty_uplink"),
         };
         let key: ResourceKey = report.device_key.parse().map_err(|_| "bad_device_key")?;
-        self.device_uid(&key, entry.seq)?;
+        let known = self.device_uid(&key, entry.seq)?;
+        let uid = if report.device_uid.is_empty() {
+            known
+        } else {
+            report.device_uid
+        };
         let properties = report
             .properties
             .iter()
             .map(|(k, v)| Ok((k.clone(), v.try_into()?)))
             .collect::<Result<_, edgefleet_shared::proto::MissingField>>()
             .map_err(|_| "bad_property")?;
+        // The Device schema's limits (64 properties, names of 1 to 63
+        // bytes), checked before the report is accepted, not discovered by
+        // a status write the API server refuses.
+        let checked = edgefleet_shared::codec::DeviceReport {
+            applied_generation: report.applied_generation,
+            properties,
+            firmware_version: None,
+        };
+        if checked.validate().is_err() {
+            return Err("invalid_report");
+        }
+        let properties = checked.properties;
         Ok(Accepted::Status(
             key,
             StatusChange::Reported {
+                uid,
                 applied_generation: report.applied_generation,
                 properties,
                 firmware_version: (!report.firmware_version.is_empty())
@@ -687,6 +722,40 @@ mod tests {
         assert_eq!(
             session.received(ack).unwrap(),
             [Effect::Counted("unknown_nonce")]
+        );
+    }
+
+    #[test]
+    fn a_report_beyond_the_schema_limits_is_refused_counted_and_acknowledged() {
+        let (mut session, _) =
+            Session::open("edge-1", "s1", slice(&[("a", 1)]), Some(Holdings::new()));
+        let properties = (0..65)
+            .map(|i| {
+                (
+                    format!("p{i}"),
+                    (&edgefleet_shared::PropertyValue::Int(i)).into(),
+                )
+            })
+            .collect();
+        let uplink = proto::AgentMessage {
+            kind: Some(agent_message::Kind::Uplink(proto::Uplink {
+                entries: vec![proto::UplinkEntry {
+                    seq: 1,
+                    body: Some(uplink_entry::Body::Report(proto::Report {
+                        device_key: key("a").to_string(),
+                        applied_generation: 1,
+                        properties,
+                        ..Default::default()
+                    })),
+                }],
+            })),
+        };
+        assert_eq!(
+            session.received(uplink).unwrap(),
+            [
+                Effect::Counted("invalid_report"),
+                Effect::Send(cloud_message::Kind::UplinkAck(proto::UplinkAck { seq: 1 }))
+            ]
         );
     }
 

@@ -243,6 +243,7 @@ pub fn uplink_body(pending: PendingUplink) -> uplink_entry::Body {
                 .collect(),
             firmware_version: latest.report.firmware_version.unwrap_or_default(),
             received_at_ms: latest.received_at_ms,
+            device_uid: latest.uid,
         }),
         PendingUplink::Event { device, stored } => uplink_entry::Body::Event(proto::Event {
             device_key: device.to_string(),
@@ -256,6 +257,7 @@ pub fn uplink_body(pending: PendingUplink) -> uplink_entry::Body {
             message: stored.event.message,
             at_ms: stored.at_ms,
             device_event_id: stored.event.id,
+            device_uid: stored.uid,
         }),
         PendingUplink::EventsDropped(dropped) => {
             uplink_entry::Body::EventsDropped(proto::EventsDropped {
