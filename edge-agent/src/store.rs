@@ -8,13 +8,18 @@
 //! [`PendingUplink::EventsDropped`] entry when the link is there.
 //!
 //! Durable points are explicit: every write that is answered to somebody (an
-//! Ack to the cloud, a success code to a device) is flushed first. A store
-//! that fails to open is moved aside and a new one is started; the cloud
-//! resends desired state on the next Hello.
+//! Ack to the cloud, a success code to a device) is flushed first.
+//!
+//! Only a store proven corrupt (sled says so, another schema version,
+//! unreadable meta) is moved aside and a new one started; the cloud resends
+//! desired state on the next Hello. A store that is merely out of reach (held
+//! by another agent, permission denied, disk full) is left as it is and the
+//! error says what to do.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use edgefleet_shared::api::Transport;
 use edgefleet_shared::codec::{DesiredState, DeviceEvent, DeviceReport, FirmwareOrder};
@@ -180,6 +185,45 @@ pub enum StoreError {
     /// sled failed.
     #[error("store: {0}")]
     Sled(#[from] sled::Error),
+    /// Another process holds the store's lock: most likely another agent.
+    #[error(
+        "another agent holds the store at {dir}: stop it, or give this agent a --data-dir of its own ({source})"
+    )]
+    Locked {
+        /// The store's directory.
+        dir: PathBuf,
+        /// sled's report.
+        source: std::io::Error,
+    },
+    /// The agent may not read or write the store's files.
+    #[error(
+        "permission denied on {dir}: the agent's user must be able to read and write it; the store was left as it is ({source})"
+    )]
+    PermissionDenied {
+        /// The store's directory.
+        dir: PathBuf,
+        /// The file system's answer.
+        source: std::io::Error,
+    },
+    /// The disk of the store is full.
+    #[error(
+        "no space left on the disk of {dir}: free some; the store was left as it is ({source})"
+    )]
+    NoSpace {
+        /// The store's directory.
+        dir: PathBuf,
+        /// The file system's answer.
+        source: std::io::Error,
+    },
+    /// The store does not open for another reason that does not prove it
+    /// corrupt (e.g. a file where its directory should be).
+    #[error("cannot open the store at {dir}; it was left as it is: {source}")]
+    Unavailable {
+        /// The store's directory.
+        dir: PathBuf,
+        /// sled's report.
+        source: sled::Error,
+    },
     /// A stored value does not decode.
     #[error("store: value under {key:?} is unreadable: {reason}")]
     Corrupt {
@@ -200,6 +244,58 @@ pub enum StoreError {
 
 /// The most memory sled's page cache may use.
 pub const CACHE_BYTES: u64 = 64 * 1024 * 1024;
+
+/// How long a held lock is retried before the store is taken to be held by
+/// another agent: sled releases its file lock lazily once the last handle
+/// is gone (spacejam/sled#1234), and an agent that just exited may still
+/// hold it for a moment.
+const LOCK_PATIENCE: Duration = Duration::from_secs(2);
+
+/// Why an existing store did not open.
+enum OpenError {
+    /// The store is provably unusable: it may be moved aside. `db` is the
+    /// database when sled could open it, to salvage from.
+    Corrupt {
+        reason: String,
+        db: Option<sled::Db>,
+    },
+    /// Anything else: the store may well be fine, so it is left alone.
+    Unavailable(StoreError),
+}
+
+impl OpenError {
+    /// sled's corruption is proof; any other failure is not.
+    fn from_sled(dir: &Path, db: Option<&sled::Db>, e: sled::Error) -> Self {
+        match e {
+            sled::Error::Corruption { .. } => OpenError::Corrupt {
+                reason: format!("sled: {e}"),
+                db: db.cloned(),
+            },
+            e => OpenError::Unavailable(unavailable(dir, e)),
+        }
+    }
+}
+
+/// What a failure of sled that is not corruption tells the operator.
+fn unavailable(dir: &Path, e: sled::Error) -> StoreError {
+    let dir = dir.to_owned();
+    match e {
+        // sled reports a held lock as an `Other` error that says so.
+        sled::Error::Io(source)
+            if source.kind() == std::io::ErrorKind::WouldBlock
+                || source.to_string().contains("could not acquire lock") =>
+        {
+            StoreError::Locked { dir, source }
+        }
+        sled::Error::Io(source) if source.kind() == std::io::ErrorKind::PermissionDenied => {
+            StoreError::PermissionDenied { dir, source }
+        }
+        sled::Error::Io(source) if source.kind() == std::io::ErrorKind::StorageFull => {
+            StoreError::NoSpace { dir, source }
+        }
+        source => StoreError::Unavailable { dir, source },
+    }
+}
 
 /// The agent's store.
 #[derive(Clone, Debug)]
@@ -236,16 +332,24 @@ pub struct Opened {
 }
 
 impl Store {
-    /// Opens the store in `dir`, creating it if needed. A store that does
-    /// not open, or was written by another schema version, is renamed to
-    /// `<dir>.broken-<unix seconds>` and a new one is created in its place.
+    /// Opens the store in `dir`, creating it if needed.
+    ///
+    /// A store proven corrupt (sled reports corruption, another schema
+    /// version, unreadable meta) is renamed to `<dir>.broken-<unix seconds>`
+    /// and a new one is created in its place. Any other failure (held by
+    /// another agent, permission denied, disk full, not a directory) is
+    /// returned as it is, and nothing is moved.
     pub fn open(dir: &Path) -> Result<Opened, StoreError> {
-        match Self::open_existing(dir) {
+        match Self::open_patiently(dir) {
             Ok(store) => Ok(Opened {
                 store,
                 moved_aside: None,
             }),
-            Err(reason) => {
+            Err(OpenError::Unavailable(e)) => Err(e),
+            Err(OpenError::Corrupt { reason, db }) => {
+                // The rename does not need the old database closed, but
+                // nothing reads it any more.
+                drop(db);
                 let stamp = std::time::SystemTime::now()
                     .duration_since(std::time::UNIX_EPOCH)
                     .map(|d| d.as_secs())
@@ -255,9 +359,12 @@ impl Store {
                     path: dir.to_owned(),
                     source,
                 })?;
-                let store = Self::open_existing(dir).map_err(|_| StoreError::Corrupt {
-                    key: dir.display().to_string(),
-                    reason: "a fresh store does not open either".into(),
+                let store = Self::open_existing(dir).map_err(|e| match e {
+                    OpenError::Unavailable(e) => e,
+                    OpenError::Corrupt { reason, .. } => StoreError::Corrupt {
+                        key: dir.display().to_string(),
+                        reason: format!("a fresh store does not open either: {reason}"),
+                    },
                 })?;
                 Ok(Opened {
                     store,
@@ -267,15 +374,38 @@ impl Store {
         }
     }
 
-    fn open_existing(dir: &Path) -> Result<Store, String> {
+    /// [`Store::open_existing`], retrying a held lock for a while (see
+    /// [`LOCK_PATIENCE`]).
+    fn open_patiently(dir: &Path) -> Result<Store, OpenError> {
+        let deadline = Instant::now() + LOCK_PATIENCE;
+        loop {
+            match Self::open_existing(dir) {
+                Err(OpenError::Unavailable(StoreError::Locked { .. }))
+                    if Instant::now() < deadline =>
+                {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                opened => return opened,
+            }
+        }
+    }
+
+    fn open_existing(dir: &Path) -> Result<Store, OpenError> {
         let db = sled::Config::new()
             .path(dir)
             // sled's default page cache is 1 GiB; an edge box has less, and
             // a store of desired and latest states is small.
             .cache_capacity(CACHE_BYTES)
             .open()
-            .map_err(|e| e.to_string())?;
-        let tree = |name: &str| db.open_tree(name).map_err(|e| e.to_string());
+            .map_err(|e| OpenError::from_sled(dir, None, e))?;
+        // For the errors: the database to salvage from, if it comes to that.
+        let handle = db.clone();
+        let failed = |e: sled::Error| OpenError::from_sled(dir, Some(&handle), e);
+        let corrupt = |reason: String| OpenError::Corrupt {
+            reason,
+            db: Some(handle.clone()),
+        };
+        let tree = |name: &str| db.open_tree(name).map_err(failed);
         let mut store = Store {
             events: Arc::default(),
             max_events: DEFAULT_MAX_EVENTS,
@@ -291,19 +421,41 @@ impl Store {
             meta: tree("meta")?,
             db,
         };
-        match store.meta.get(META_SCHEMA).map_err(|e| e.to_string())? {
+        match store.meta.get(META_SCHEMA).map_err(failed)? {
             None if store.db.is_empty() && store.is_empty() => {
                 store
                     .meta
                     .insert(META_SCHEMA, &SCHEMA_VERSION.to_be_bytes())
-                    .map_err(|e| e.to_string())?;
+                    .map_err(failed)?;
                 // Made durable with the store id below.
             }
             Some(v) if v.as_ref() == SCHEMA_VERSION.to_be_bytes() => {}
-            Some(v) => return Err(format!("schema version {v:?}, expected {SCHEMA_VERSION}")),
-            None => return Err("no schema version".into()),
+            Some(v) => {
+                return Err(corrupt(format!(
+                    "schema version {v:?} in {}, expected {SCHEMA_VERSION}",
+                    dir.display()
+                )));
+            }
+            None => {
+                return Err(corrupt(format!(
+                    "no schema version in {}, which is not empty",
+                    dir.display()
+                )));
+            }
         }
-        store.store_id = match store.meta.get(META_STORE_ID).map_err(|e| e.to_string())? {
+        for key in [META_NEXT_SEQ, META_DROPPED_TOTAL] {
+            if let Some(v) = store.meta.get(key).map_err(failed)?
+                && v.len() != 8
+            {
+                return Err(corrupt(format!(
+                    "meta {:?} in {} is {} bytes, not 8",
+                    String::from_utf8_lossy(key),
+                    dir.display(),
+                    v.len()
+                )));
+            }
+        }
+        store.store_id = match store.meta.get(META_STORE_ID).map_err(failed)? {
             Some(id) => String::from_utf8_lossy(&id).into_owned(),
             // A new store, or one from before ids existed.
             None => {
@@ -311,16 +463,18 @@ impl Store {
                 store
                     .meta
                     .insert(META_STORE_ID, id.as_bytes())
-                    .map_err(|e| e.to_string())?;
-                store.db.flush().map_err(|e| e.to_string())?;
+                    .map_err(failed)?;
+                store.db.flush().map_err(failed)?;
                 id
             }
         };
         let mut events = 0;
         for item in store.outbox.iter() {
-            let (k, v) = item.map_err(|e| e.to_string())?;
-            if let OutboxEntry::Event(_) = decode(&k, &v).map_err(|e| e.to_string())? {
-                events += 1;
+            let (k, v) = item.map_err(failed)?;
+            match decode(&k, &v) {
+                Ok(OutboxEntry::Event(_)) => events += 1,
+                Ok(_) => {}
+                Err(e) => return Err(corrupt(e.to_string())),
             }
         }
         *store.events.lock().expect("event count") = events;

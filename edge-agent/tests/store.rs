@@ -1,10 +1,13 @@
 //! The agent's store on a real disk: what it promises survives a reopen,
-//! reports compact per device, the outbox drains only on acknowledgement, and
-//! an unusable store is moved aside instead of stopping the agent.
+//! reports compact per device, the outbox drains only on acknowledgement,
+//! a corrupt store is moved aside, and a store that is merely out of reach
+//! (locked, not a directory) is left alone with a clear error.
 
 use std::collections::BTreeMap;
 
-use edgefleet_agent::store::{DesiredDevice, Dropped, EventOutcome, PendingUplink, Store};
+use edgefleet_agent::store::{
+    DesiredDevice, Dropped, EventOutcome, PendingUplink, Store, StoreError,
+};
 use edgefleet_shared::api::Transport;
 use edgefleet_shared::codec::{DeviceEvent, DeviceReport};
 use edgefleet_shared::{PropertyValue, ResourceKey, ResourceVersion};
@@ -406,4 +409,64 @@ async fn an_unchanged_report_queues_again_only_as_a_keepalive_while_connected() 
         .unwrap();
     assert!(changed > due);
     assert_eq!(store.outbox_depth(), 1, "compacted to the latest");
+}
+
+/// What sits next to the store's directory (a store moved aside shows up
+/// here as `store.broken-<stamp>`).
+fn beside(dir: &std::path::Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir.parent().unwrap())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+#[tokio::test]
+async fn a_store_another_agent_holds_is_left_alone_with_a_clear_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("store");
+    let a = ResourceKey::device("plant", "a");
+    let first = open(&dir);
+    let seq = first.record_report(&a, report(1, 20.0), 1).await.unwrap();
+
+    let err = Store::open(&dir).expect_err("a store another agent holds must not open");
+    assert!(
+        matches!(&err, StoreError::Locked { dir: d, .. } if d == &dir),
+        "{err:?}"
+    );
+    assert!(
+        err.to_string().contains(&format!(
+            "another agent holds the store at {}",
+            dir.display()
+        )),
+        "{err}"
+    );
+    assert_eq!(beside(&dir), ["store"], "nothing was moved aside");
+
+    // The holder goes on, and what it stored is there for the next agent.
+    let id = first.store_id().to_owned();
+    drop(first);
+    let store = open(&dir);
+    assert_eq!(store.store_id(), id);
+    assert_eq!(store.pending_uplink(0, 10).unwrap()[0].0, seq);
+}
+
+#[tokio::test]
+async fn a_file_where_the_store_should_be_is_an_error_not_a_rebuild() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("store");
+    std::fs::write(&dir, b"not a directory").unwrap();
+
+    let err = Store::open(&dir).expect_err("a file is not a store");
+    assert!(
+        matches!(&err, StoreError::Unavailable { dir: d, .. } if d == &dir),
+        "{err:?}"
+    );
+    assert!(
+        err.to_string().contains(&dir.display().to_string()),
+        "{err}"
+    );
+    assert_eq!(beside(&dir), ["store"], "nothing was moved aside");
+    assert_eq!(std::fs::read(&dir).unwrap(), b"not a directory");
 }
