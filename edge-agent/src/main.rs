@@ -88,10 +88,28 @@ async fn main() -> anyhow::Result<()> {
         "Stores moved aside because they were corrupt",
         store_rebuilt.clone(),
     );
+    let store_lost = prometheus_client::metrics::counter::Counter::<u64>::default();
+    registry.register(
+        "store_entries_lost",
+        "Stored entries dropped at start because they could not be read",
+        store_lost.clone(),
+    );
+    let salvage = &opened.salvage;
     if let Some((aside, reason)) = &opened.moved_aside {
         store_rebuilt.inc();
-        tracing::error!(moved_to = %aside.display(), %reason, "the store is corrupt; it was moved aside and a new one is rebuilt from the cloud");
+        tracing::error!(
+            moved_to = %aside.display(),
+            %reason,
+            salvaged_entries = salvage.entries,
+            salvaged_event_ids = salvage.event_ids,
+            lost = salvage.lost.len(),
+            "the store is corrupt; it was moved aside, what could be read of its outbox is in the new one, and desired state is rebuilt from the cloud"
+        );
     }
+    for lost in &salvage.lost {
+        tracing::error!(%lost, "unreadable in the store, and lost");
+    }
+    store_lost.inc_by(salvage.lost.len() as u64);
     let store = opened.store.with_max_events(cli.outbox_max_events);
 
     let coap_metrics = Arc::new(CoapMetrics::default());

@@ -11,10 +11,12 @@
 //! Ack to the cloud, a success code to a device) is flushed first.
 //!
 //! Only a store proven corrupt (sled says so, another schema version,
-//! unreadable meta) is moved aside and a new one started; the cloud resends
-//! desired state on the next Hello. A store that is merely out of reach (held
-//! by another agent, permission denied, disk full) is left as it is and the
-//! error says what to do.
+//! unreadable meta) is moved aside and a new one started: what can still be
+//! read of its outbox goes into the new one, and the cloud resends desired
+//! state on the next Hello. One unreadable outbox entry is dropped, not the
+//! store. A store that is merely out of reach (held by another agent,
+//! permission denied, disk full) is left as it is and the error says what to
+//! do.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -322,13 +324,97 @@ pub struct Store {
     meta: sled::Tree,
 }
 
-/// A store just opened, and whether an unusable one had to be moved aside.
+/// A store just opened, whether a corrupt one had to be moved aside, and
+/// what of its contents was carried over or lost.
 #[derive(Debug)]
 pub struct Opened {
     /// The store.
     pub store: Store,
-    /// Where the unusable store was moved, if it was.
+    /// Where the corrupt store was moved, and why, if it was.
     pub moved_aside: Option<(PathBuf, String)>,
+    /// What was salvaged and what was lost.
+    pub salvage: Salvage,
+}
+
+/// What opening the store carried over from a store moved aside, and what
+/// it could not read and dropped (from a store moved aside, or from the
+/// store it kept).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Salvage {
+    /// Outbox entries carried into the new store, in their order, under new
+    /// sequence numbers (with the reports they carry).
+    pub entries: usize,
+    /// Devices whose highest event id was carried over, so their resends
+    /// are still recognised.
+    pub event_ids: usize,
+    /// What could not be read and is gone, each naming where and why.
+    pub lost: Vec<String>,
+}
+
+/// What could be read out of a corrupt store before it is moved aside.
+#[derive(Default)]
+struct Rescued {
+    /// Outbox entries in order, with what they carry.
+    entries: Vec<PendingUplink>,
+    /// The highest event id per device.
+    event_ids: Vec<(sled::IVec, u64)>,
+    lost: Vec<String>,
+}
+
+impl Rescued {
+    /// Reads every outbox entry, report and event id that still decodes;
+    /// reading stops at the first failure of sled in a tree.
+    fn from(db: &sled::Db) -> Self {
+        let mut rescued = Rescued::default();
+        match (db.open_tree("outbox"), db.open_tree("reported")) {
+            (Ok(outbox), Ok(reported)) => {
+                for item in outbox.iter() {
+                    let (k, v) = match item {
+                        Ok(kv) => kv,
+                        Err(e) => {
+                            rescued.lost.push(format!("the rest of the outbox: {e}"));
+                            break;
+                        }
+                    };
+                    match read_entry(&reported, &k, &v) {
+                        Ok((_, pending)) => rescued.entries.push(pending),
+                        Err(e) => rescued.lost.push(what_is_lost(e)),
+                    }
+                }
+            }
+            (Err(e), _) | (_, Err(e)) => rescued.lost.push(format!("the outbox: {e}")),
+        }
+        // Drops not sealed into an entry yet go up as one, after the rest.
+        if let Ok(Some(v)) = db
+            .open_tree("meta")
+            .and_then(|m| m.get(META_DROPPED_UNREPORTED))
+        {
+            match decode(META_DROPPED_UNREPORTED, &v) {
+                Ok(dropped) => rescued.entries.push(PendingUplink::EventsDropped(dropped)),
+                Err(e) => rescued.lost.push(what_is_lost(e)),
+            }
+        }
+        match db.open_tree("event_ids") {
+            Ok(ids) => {
+                for item in ids.iter() {
+                    match item {
+                        Ok((k, v)) if v.len() == 8 => rescued.event_ids.push((k, u64_from(&v))),
+                        Ok((k, v)) => rescued.lost.push(format!(
+                            "the highest event id of {}: {} bytes, not 8",
+                            String::from_utf8_lossy(&k),
+                            v.len()
+                        )),
+                        Err(e) => {
+                            rescued.lost.push(format!("the rest of the event ids: {e}"));
+                            break;
+                        }
+                    }
+                }
+            }
+            Err(e) => rescued.lost.push(format!("the event ids: {e}")),
+        }
+        rescued
+    }
 }
 
 impl Store {
@@ -339,14 +425,32 @@ impl Store {
     /// and a new one is created in its place. Any other failure (held by
     /// another agent, permission denied, disk full, not a directory) is
     /// returned as it is, and nothing is moved.
+    ///
+    /// Before a corrupt store is moved, every outbox entry that still
+    /// decodes (with the report it carries) and the devices' highest event
+    /// ids are read out of it, and written into the new store in the same
+    /// order under new sequence numbers, so they still go up. An outbox
+    /// entry that does not decode is dropped and the store kept. Both are
+    /// told in [`Opened::salvage`].
     pub fn open(dir: &Path) -> Result<Opened, StoreError> {
         match Self::open_patiently(dir) {
-            Ok(store) => Ok(Opened {
+            Ok((store, lost)) => Ok(Opened {
                 store,
                 moved_aside: None,
+                salvage: Salvage {
+                    lost,
+                    ..Salvage::default()
+                },
             }),
             Err(OpenError::Unavailable(e)) => Err(e),
             Err(OpenError::Corrupt { reason, db }) => {
+                let rescued = match &db {
+                    Some(db) => Rescued::from(db),
+                    None => Rescued {
+                        lost: vec!["the whole outbox: sled cannot read the store".into()],
+                        ..Rescued::default()
+                    },
+                };
                 // The rename does not need the old database closed, but
                 // nothing reads it any more.
                 drop(db);
@@ -359,16 +463,18 @@ impl Store {
                     path: dir.to_owned(),
                     source,
                 })?;
-                let store = Self::open_existing(dir).map_err(|e| match e {
+                let (store, _) = Self::open_existing(dir).map_err(|e| match e {
                     OpenError::Unavailable(e) => e,
                     OpenError::Corrupt { reason, .. } => StoreError::Corrupt {
                         key: dir.display().to_string(),
                         reason: format!("a fresh store does not open either: {reason}"),
                     },
                 })?;
+                let salvage = store.take_in(rescued)?;
                 Ok(Opened {
                     store,
                     moved_aside: Some((aside, reason)),
+                    salvage,
                 })
             }
         }
@@ -376,7 +482,7 @@ impl Store {
 
     /// [`Store::open_existing`], retrying a held lock for a while (see
     /// [`LOCK_PATIENCE`]).
-    fn open_patiently(dir: &Path) -> Result<Store, OpenError> {
+    fn open_patiently(dir: &Path) -> Result<(Store, Vec<String>), OpenError> {
         let deadline = Instant::now() + LOCK_PATIENCE;
         loop {
             match Self::open_existing(dir) {
@@ -390,7 +496,9 @@ impl Store {
         }
     }
 
-    fn open_existing(dir: &Path) -> Result<Store, OpenError> {
+    /// Opens the store in `dir` as it is; returns it with what was dropped
+    /// from it as unreadable.
+    fn open_existing(dir: &Path) -> Result<(Store, Vec<String>), OpenError> {
         let db = sled::Config::new()
             .path(dir)
             // sled's default page cache is 1 GiB; an edge box has less, and
@@ -455,6 +563,11 @@ impl Store {
                 )));
             }
         }
+        if let Some(v) = store.meta.get(META_DROPPED_UNREPORTED).map_err(failed)?
+            && let Err(e) = decode::<Dropped>(META_DROPPED_UNREPORTED, &v)
+        {
+            return Err(corrupt(format!("{e} in {}", dir.display())));
+        }
         store.store_id = match store.meta.get(META_STORE_ID).map_err(failed)? {
             Some(id) => String::from_utf8_lossy(&id).into_owned(),
             // A new store, or one from before ids existed.
@@ -468,17 +581,91 @@ impl Store {
                 id
             }
         };
+        // One value that does not decode is not a corrupt store: the
+        // entry could never be sent, so it is dropped and the loss told.
+        // Latest reports first, as report entries carry them.
+        let reported = store.reported.clone();
+        let dropped = drop_unreadable(&store.reported, |k, v| {
+            decode::<LatestReport>(k, v).map_err(|e| match e {
+                StoreError::Corrupt { key, reason } => StoreError::Corrupt {
+                    key: format!("the latest report of {key}"),
+                    reason,
+                },
+                e => e,
+            })
+        })
+        .and_then(|mut lost| {
+            lost.extend(drop_unreadable(&store.outbox, |k, v| {
+                read_entry(&reported, k, v)
+            })?);
+            Ok(lost)
+        });
+        let lost = match dropped {
+            Ok(lost) => lost,
+            Err(StoreError::Sled(e)) => return Err(failed(e)),
+            Err(e) => return Err(OpenError::Unavailable(e)),
+        };
+        if !lost.is_empty() {
+            store.db.flush().map_err(failed)?;
+        }
         let mut events = 0;
         for item in store.outbox.iter() {
             let (k, v) = item.map_err(failed)?;
-            match decode(&k, &v) {
-                Ok(OutboxEntry::Event(_)) => events += 1,
-                Ok(_) => {}
-                Err(e) => return Err(corrupt(e.to_string())),
+            if let Ok(OutboxEntry::Event(_)) = decode(&k, &v) {
+                events += 1;
             }
         }
         *store.events.lock().expect("event count") = events;
-        Ok(store)
+        Ok((store, lost))
+    }
+
+    /// Writes what was rescued from a corrupt store into this new one, in
+    /// the same order under fresh sequence numbers, durably.
+    fn take_in(&self, rescued: Rescued) -> Result<Salvage, StoreError> {
+        let Rescued {
+            entries,
+            event_ids,
+            lost,
+        } = rescued;
+        let mut queued = self.events.lock().expect("event count");
+        let result = (&self.outbox, &self.reported, &self.event_ids, &self.meta).transaction(
+            |(outbox, reported, ids, meta)| {
+                for pending in &entries {
+                    let seq = take_seq(meta)?;
+                    let entry = match pending {
+                        PendingUplink::Report { device, latest } => {
+                            let key = device.to_string();
+                            let latest = LatestReport {
+                                seq,
+                                ..latest.clone()
+                            };
+                            reported.insert(key.as_bytes(), encode(&latest))?;
+                            OutboxEntry::Report { device: key }
+                        }
+                        PendingUplink::Event { stored, .. } => OutboxEntry::Event(stored.clone()),
+                        PendingUplink::EventsDropped(dropped) => {
+                            OutboxEntry::EventsDropped(*dropped)
+                        }
+                    };
+                    outbox.insert(&seq.to_be_bytes(), encode(&entry))?;
+                }
+                for (device, highest) in &event_ids {
+                    ids.insert(device, &highest.to_be_bytes())?;
+                }
+                Ok(())
+            },
+        );
+        result.map_err(from_transaction)?;
+        self.db.flush()?;
+        *queued += entries
+            .iter()
+            .filter(|e| matches!(e, PendingUplink::Event { .. }))
+            .count() as u64;
+        Ok(Salvage {
+            entries: entries.len(),
+            event_ids: event_ids.len(),
+            lost,
+        })
     }
 
     fn is_empty(&self) -> bool {
@@ -787,33 +974,14 @@ impl Store {
         after: u64,
         max: usize,
     ) -> Result<Vec<(u64, PendingUplink)>, StoreError> {
-        let mut out = Vec::new();
-        for item in self.outbox.range((after + 1).to_be_bytes()..).take(max) {
-            let (k, v) = item?;
-            let seq = u64_from(&k);
-            let pending = match decode(&k, &v)? {
-                OutboxEntry::Report { device } => {
-                    let key = parse_key(device.as_bytes())?;
-                    let latest = self
-                        .latest_report(&key)?
-                        .ok_or_else(|| StoreError::Corrupt {
-                            key: device.clone(),
-                            reason: format!("outbox entry {seq} names a device with no report"),
-                        })?;
-                    PendingUplink::Report {
-                        device: key,
-                        latest,
-                    }
-                }
-                OutboxEntry::Event(stored) => PendingUplink::Event {
-                    device: parse_key(stored.device.as_bytes())?,
-                    stored,
-                },
-                OutboxEntry::EventsDropped(dropped) => PendingUplink::EventsDropped(dropped),
-            };
-            out.push((seq, pending));
-        }
-        Ok(out)
+        self.outbox
+            .range((after + 1).to_be_bytes()..)
+            .take(max)
+            .map(|item| {
+                let (k, v) = item?;
+                read_entry(&self.reported, &k, &v)
+            })
+            .collect()
     }
 
     /// The cloud has made everything up to `seq` durable: drop it from the
@@ -919,6 +1087,79 @@ fn take_seq(meta: &TransactionalTree) -> ConflictableTransactionResult<u64, Stor
     let seq = meta.get(META_NEXT_SEQ)?.map(|v| u64_from(&v)).unwrap_or(1);
     meta.insert(META_NEXT_SEQ, &(seq + 1).to_be_bytes())?;
     Ok(seq)
+}
+
+/// Reads one outbox entry with what it carries (a report entry, the
+/// device's latest report). A value that does not decode is `Corrupt`,
+/// naming the entry.
+fn read_entry(
+    reported: &sled::Tree,
+    k: &[u8],
+    v: &[u8],
+) -> Result<(u64, PendingUplink), StoreError> {
+    let name = || match <[u8; 8]>::try_from(k) {
+        Ok(seq) => format!("outbox entry {}", u64::from_be_bytes(seq)),
+        Err(_) => format!("outbox entry {:?}", String::from_utf8_lossy(k)),
+    };
+    let unreadable = |reason: String| StoreError::Corrupt {
+        key: name(),
+        reason,
+    };
+    let seq = <[u8; 8]>::try_from(k)
+        .map(u64::from_be_bytes)
+        .map_err(|_| unreadable(format!("a key of {} bytes, not 8", k.len())))?;
+    let device = |name: &str| {
+        name.parse::<ResourceKey>()
+            .map_err(|e| unreadable(format!("device {name:?}: {e}")))
+    };
+    let entry: OutboxEntry = serde_cbor::from_slice(v).map_err(|e| unreadable(e.to_string()))?;
+    let pending = match entry {
+        OutboxEntry::Report { device: name } => {
+            let device = device(&name)?;
+            let latest = reported
+                .get(name.as_bytes())?
+                .ok_or_else(|| unreadable(format!("{name} has no report")))?;
+            let latest = serde_cbor::from_slice(&latest)
+                .map_err(|e| unreadable(format!("the report of {name}: {e}")))?;
+            PendingUplink::Report { device, latest }
+        }
+        OutboxEntry::Event(stored) => PendingUplink::Event {
+            device: device(&stored.device)?,
+            stored,
+        },
+        OutboxEntry::EventsDropped(dropped) => PendingUplink::EventsDropped(dropped),
+    };
+    Ok((seq, pending))
+}
+
+/// Removes the values of `tree` that `read` finds unreadable (`Corrupt`),
+/// and returns what was removed, and why.
+fn drop_unreadable<T>(
+    tree: &sled::Tree,
+    read: impl Fn(&[u8], &[u8]) -> Result<T, StoreError>,
+) -> Result<Vec<String>, StoreError> {
+    let (mut lost, mut unreadable) = (Vec::new(), sled::Batch::default());
+    for item in tree.iter() {
+        let (k, v) = item?;
+        match read(&k, &v) {
+            Ok(_) => {}
+            Err(e @ StoreError::Corrupt { .. }) => {
+                lost.push(what_is_lost(e));
+                unreadable.remove(k);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    tree.apply_batch(unreadable)?;
+    Ok(lost)
+}
+
+/// A loss, as [`Salvage::lost`] tells it.
+fn what_is_lost(e: StoreError) -> String {
+    match e {
+        StoreError::Corrupt { key, reason } => format!("{key}: {reason}"),
+        e => e.to_string(),
+    }
 }
 
 fn from_transaction(e: TransactionError<StoreError>) -> StoreError {

@@ -1,6 +1,7 @@
 //! The agent's store on a real disk: what it promises survives a reopen,
 //! reports compact per device, the outbox drains only on acknowledgement,
-//! a corrupt store is moved aside, and a store that is merely out of reach
+//! a corrupt store is moved aside with its outbox salvaged, one unreadable
+//! entry is dropped (not the store), and a store that is merely out of reach
 //! (locked, not a directory) is left alone with a clear error.
 
 use std::collections::BTreeMap;
@@ -155,6 +156,9 @@ async fn an_unreadable_store_is_moved_aside_and_replaced() {
     let (aside, reason) = opened.moved_aside.expect("the broken store is moved aside");
     assert!(aside.exists(), "{}", aside.display());
     assert!(!reason.is_empty());
+    // sled cannot read it at all: nothing to salvage, and that is said.
+    assert_eq!(opened.salvage.entries, 0);
+    assert!(!opened.salvage.lost.is_empty(), "{:?}", opened.salvage);
     // The new store works.
     let key = ResourceKey::device("plant", "a");
     opened
@@ -422,6 +426,14 @@ fn beside(dir: &std::path::Path) -> Vec<String> {
     names
 }
 
+/// Changes a closed store behind the agent's back, as a bad disk or another
+/// version of the agent would.
+fn tamper(dir: &std::path::Path, change: impl FnOnce(&sled::Db)) {
+    let db = sled::open(dir).unwrap();
+    change(&db);
+    db.flush().unwrap();
+}
+
 #[tokio::test]
 async fn a_store_another_agent_holds_is_left_alone_with_a_clear_error() {
     let tmp = tempfile::tempdir().unwrap();
@@ -469,4 +481,130 @@ async fn a_file_where_the_store_should_be_is_an_error_not_a_rebuild() {
     );
     assert_eq!(beside(&dir), ["store"], "nothing was moved aside");
     assert_eq!(std::fs::read(&dir).unwrap(), b"not a directory");
+}
+
+#[tokio::test]
+async fn a_store_of_another_schema_is_moved_aside_and_its_outbox_salvaged() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("store");
+    let a = ResourceKey::device("plant", "a");
+    let b = ResourceKey::device("plant", "b");
+    let (old_id, old_pending) = {
+        let store = open(&dir);
+        store.record_report(&a, report(1, 20.0), 1).await.unwrap();
+        store.record_event(&a, event(1, "Tick"), 2).await.unwrap();
+        store.record_report(&b, report(1, 30.0), 3).await.unwrap();
+        store.record_event(&a, event(2, "Tock"), 4).await.unwrap();
+        (
+            store.store_id().to_owned(),
+            store.pending_uplink(0, usize::MAX).unwrap(),
+        )
+    };
+    assert_eq!(old_pending.len(), 4);
+    tamper(&dir, |db| {
+        let meta = db.open_tree("meta").unwrap();
+        meta.insert("schema_version", &99u32.to_be_bytes()).unwrap();
+    });
+
+    let opened = Store::open(&dir).unwrap();
+    let (aside, reason) = opened.moved_aside.expect("moved aside");
+    assert!(aside.exists(), "{}", aside.display());
+    assert!(reason.contains("schema"), "{reason}");
+    assert_eq!(opened.salvage.entries, 4, "{:?}", opened.salvage);
+    assert_eq!(opened.salvage.event_ids, 1, "{:?}", opened.salvage);
+    assert!(opened.salvage.lost.is_empty(), "{:?}", opened.salvage);
+
+    // The new store is another store, and sends the same content in the
+    // same order under its own sequence numbers.
+    let store = opened.store;
+    assert_ne!(store.store_id(), old_id);
+    let pending = store.pending_uplink(0, usize::MAX).unwrap();
+    let seqs: Vec<u64> = pending.iter().map(|(s, _)| *s).collect();
+    assert!(seqs.windows(2).all(|w| w[0] < w[1]), "{seqs:?}");
+    let content = |entries: &[(u64, PendingUplink)]| -> Vec<PendingUplink> {
+        entries
+            .iter()
+            .map(|(_, p)| match p {
+                PendingUplink::Report { device, latest } => PendingUplink::Report {
+                    device: device.clone(),
+                    latest: edgefleet_agent::store::LatestReport {
+                        seq: 0,
+                        ..latest.clone()
+                    },
+                },
+                other => other.clone(),
+            })
+            .collect()
+    };
+    assert_eq!(content(&pending), content(&old_pending));
+    // A report points at its own outbox entry in the new store.
+    let PendingUplink::Report { latest, .. } = &pending[0].1 else {
+        panic!("{:?}", pending[0]);
+    };
+    assert_eq!(latest.seq, seqs[0]);
+    assert_eq!(store.events_queued(), 2);
+    // Event ids came along: a resend is still a duplicate.
+    assert_eq!(
+        store.record_event(&a, event(2, "Tock"), 5).await.unwrap(),
+        EventOutcome::Duplicate { highest: 2 }
+    );
+    // And all of it is in the new store for good.
+    drop(store);
+    let store = open(&dir);
+    assert_eq!(
+        content(&store.pending_uplink(0, usize::MAX).unwrap()),
+        content(&old_pending)
+    );
+}
+
+#[tokio::test]
+async fn one_unreadable_outbox_value_is_dropped_and_the_store_kept() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("store");
+    let a = ResourceKey::device("plant", "a");
+    let b = ResourceKey::device("plant", "b");
+    let (id, broken) = {
+        let store = open(&dir);
+        store.record_report(&a, report(1, 20.0), 1).await.unwrap();
+        let EventOutcome::Stored { seq, .. } =
+            store.record_event(&a, event(1, "Tick"), 2).await.unwrap()
+        else {
+            panic!("stored")
+        };
+        store.record_report(&b, report(1, 30.0), 3).await.unwrap();
+        (store.store_id().to_owned(), seq)
+    };
+    tamper(&dir, |db| {
+        let outbox = db.open_tree("outbox").unwrap();
+        outbox
+            .insert(broken.to_be_bytes(), &b"\xff\xfe not cbor"[..])
+            .unwrap();
+    });
+
+    let opened = Store::open(&dir).unwrap();
+    assert!(opened.moved_aside.is_none(), "{:?}", opened.moved_aside);
+    assert_eq!(beside(&dir), ["store"]);
+    assert_eq!(opened.salvage.lost.len(), 1, "{:?}", opened.salvage);
+    assert!(
+        opened.salvage.lost[0].starts_with(&format!("outbox entry {broken}: ")),
+        "the loss names the entry: {:?}",
+        opened.salvage.lost
+    );
+    let store = opened.store;
+    assert_eq!(store.store_id(), id, "the same store");
+    let devices: Vec<String> = store
+        .pending_uplink(0, usize::MAX)
+        .unwrap()
+        .into_iter()
+        .map(|(_, p)| match p {
+            PendingUplink::Report { device, .. } => device.name,
+            other => panic!("only reports are left, not {other:?}"),
+        })
+        .collect();
+    assert_eq!(devices, ["a", "b"]);
+    assert_eq!(store.outbox_depth(), 2, "the unreadable entry is gone");
+    assert_eq!(store.events_queued(), 0);
+    // Acknowledging past it works.
+    let last = store.last_seq().unwrap();
+    assert_eq!(store.acknowledge_uplink(last).await.unwrap(), 2);
 }
