@@ -8,7 +8,9 @@
 //! [`PendingUplink::EventsDropped`] entry when the link is there.
 //!
 //! Durable points are explicit: every write that is answered to somebody (an
-//! Ack to the cloud, a success code to a device) is flushed first.
+//! Ack to the cloud, a success code to a device) is flushed first, and only
+//! outbox entries known to be on disk go up: an entry the cloud saw and
+//! acknowledged must not vanish in a power cut.
 //!
 //! Only a store proven corrupt (sled says so, another schema version,
 //! unreadable meta) is moved aside and a new one started: what can still be
@@ -21,6 +23,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use edgefleet_shared::api::Transport;
@@ -302,10 +305,12 @@ fn unavailable(dir: &Path, e: sled::Error) -> StoreError {
 /// The agent's store.
 #[derive(Clone, Debug)]
 pub struct Store {
-    // Events in the outbox, and the bound. Recording an event and
-    // acknowledging the outbox take this lock for their sled writes, so the
-    // count and the bound check agree with what is stored.
-    events: Arc<std::sync::Mutex<u64>>,
+    // Every write that takes sequence numbers or removes outbox entries
+    // holds this lock, so sequence numbers are committed in order and the
+    // event count and the bound check agree with what is stored.
+    outbox_lock: Arc<std::sync::Mutex<OutboxState>>,
+    // How far sequence numbers are written and durable.
+    seqs: Arc<SeqMarks>,
     max_events: u64,
     store_id: String,
     // Since when a sync session is open (Unix ms), or 0 while none is (see
@@ -322,6 +327,37 @@ pub struct Store {
     outbox: sled::Tree,
     event_ids: sled::Tree,
     meta: sled::Tree,
+}
+
+/// What the writers of the outbox share, under [`Store::outbox_lock`].
+#[derive(Debug, Default)]
+struct OutboxState {
+    /// Events in the outbox.
+    events: u64,
+}
+
+/// How far sequence numbers are written and durable.
+#[derive(Debug, Default)]
+struct SeqMarks {
+    /// The highest sequence number whose write has committed (it may not be
+    /// on disk yet). Writes commit in sequence order (under the outbox
+    /// lock), so every entry up to it is committed.
+    written: AtomicU64,
+    /// The highest sequence number known to be on disk: a flush that
+    /// started after its write committed has completed. Only entries up to
+    /// it go up.
+    durable: AtomicU64,
+}
+
+impl SeqMarks {
+    /// Flushes `db`, then moves the durable mark up to what was written
+    /// before the flush started.
+    fn flush(&self, db: &sled::Db) -> Result<(), sled::Error> {
+        let covered = self.written.load(Ordering::SeqCst);
+        db.flush()?;
+        self.durable.fetch_max(covered, Ordering::SeqCst);
+        Ok(())
+    }
 }
 
 /// A store just opened, whether a corrupt one had to be moved aside, and
@@ -514,14 +550,16 @@ impl Store {
             db: Some(handle.clone()),
         };
         let tree = |name: &str| db.open_tree(name).map_err(failed);
+        let seqs = Arc::new(SeqMarks::default());
         let mut store = Store {
-            events: Arc::default(),
+            outbox_lock: Arc::default(),
+            seqs: seqs.clone(),
             max_events: DEFAULT_MAX_EVENTS,
             store_id: String::new(),
             link_up_since: Arc::default(),
             outbox_changed: Arc::new(Notify::new()),
             desired_changes: broadcast::Sender::new(DESIRED_CHANGES_BUFFER),
-            flusher: GroupFlush::start(db.clone()),
+            flusher: GroupFlush::start(db.clone(), seqs),
             desired: tree("desired")?,
             reported: tree("reported")?,
             outbox: tree("outbox")?,
@@ -615,7 +653,14 @@ impl Store {
                 events += 1;
             }
         }
-        *store.events.lock().expect("event count") = events;
+        store.lock_outbox().events = events;
+        // Everything in the store when it opens is on disk.
+        let last = store.last_seq().map_err(|e| match e {
+            StoreError::Sled(e) => failed(e),
+            e => OpenError::Unavailable(e),
+        })?;
+        store.seqs.written.store(last, Ordering::SeqCst);
+        store.seqs.durable.store(last, Ordering::SeqCst);
         Ok((store, lost))
     }
 
@@ -627,9 +672,10 @@ impl Store {
             event_ids,
             lost,
         } = rescued;
-        let mut queued = self.events.lock().expect("event count");
+        let mut outbox_state = self.lock_outbox();
         let result = (&self.outbox, &self.reported, &self.event_ids, &self.meta).transaction(
             |(outbox, reported, ids, meta)| {
+                let mut last = 0;
                 for pending in &entries {
                     let seq = take_seq(meta)?;
                     let entry = match pending {
@@ -648,16 +694,18 @@ impl Store {
                         }
                     };
                     outbox.insert(&seq.to_be_bytes(), encode(&entry))?;
+                    last = seq;
                 }
                 for (device, highest) in &event_ids {
                     ids.insert(device, &highest.to_be_bytes())?;
                 }
-                Ok(())
+                Ok(last)
             },
         );
-        result.map_err(from_transaction)?;
-        self.db.flush()?;
-        *queued += entries
+        let last = result.map_err(from_transaction)?;
+        self.seqs.written.fetch_max(last, Ordering::SeqCst);
+        self.seqs.flush(&self.db)?;
+        outbox_state.events += entries
             .iter()
             .filter(|e| matches!(e, PendingUplink::Event { .. }))
             .count() as u64;
@@ -666,6 +714,11 @@ impl Store {
             event_ids: event_ids.len(),
             lost,
         })
+    }
+
+    /// Takes the outbox lock (see [`Store::outbox_lock`]).
+    fn lock_outbox(&self) -> std::sync::MutexGuard<'_, OutboxState> {
+        self.outbox_lock.lock().expect("outbox lock")
     }
 
     fn is_empty(&self) -> bool {
@@ -754,10 +807,8 @@ impl Store {
     /// Tells the store since when a sync session is open (Unix ms), or
     /// that none is (`None`).
     pub fn set_link(&self, up_since_ms: Option<i64>) {
-        self.link_up_since.store(
-            up_since_ms.unwrap_or(0),
-            std::sync::atomic::Ordering::Relaxed,
-        );
+        self.link_up_since
+            .store(up_since_ms.unwrap_or(0), Ordering::Relaxed);
     }
 
     /// Records a device's report durably and queues it for the cloud;
@@ -774,13 +825,44 @@ impl Store {
         report: DeviceReport,
         received_at_ms: i64,
     ) -> Result<u64, StoreError> {
+        let (seq, queued) = self.write_report(device, report, received_at_ms)?;
+        // Also for unchanged content: it may be another caller's write that
+        // is not on disk yet, and the device is about to be told it is.
+        self.flusher.flush().await?;
+        if queued {
+            self.outbox_changed.notify_one();
+        }
+        Ok(seq)
+    }
+
+    /// [`Store::record_report`] without waiting for the disk: the entry is
+    /// written but not durable, so it does not go up yet. Only for tests of
+    /// that.
+    #[doc(hidden)]
+    pub fn record_report_unflushed(
+        &self,
+        device: &ResourceKey,
+        report: DeviceReport,
+        received_at_ms: i64,
+    ) -> Result<u64, StoreError> {
+        self.write_report(device, report, received_at_ms)
+            .map(|(seq, _)| seq)
+    }
+
+    /// Writes a report (not durably yet); returns its sequence number and
+    /// whether it joined the outbox.
+    fn write_report(
+        &self,
+        device: &ResourceKey,
+        report: DeviceReport,
+        received_at_ms: i64,
+    ) -> Result<(u64, bool), StoreError> {
         let key = device.to_string();
         let entry = encode(&OutboxEntry::Report {
             device: key.clone(),
         });
-        let link_up_since = self
-            .link_up_since
-            .load(std::sync::atomic::Ordering::Relaxed);
+        let link_up_since = self.link_up_since.load(Ordering::Relaxed);
+        let _outbox = self.lock_outbox();
         let result =
             (&self.reported, &self.outbox, &self.meta).transaction(|(reported, outbox, meta)| {
                 let previous = match reported.get(key.as_bytes())? {
@@ -818,13 +900,10 @@ impl Store {
                 Ok((seq, true))
             });
         let (seq, queued) = result.map_err(from_transaction)?;
-        // Also for unchanged content: it may be another caller's write that
-        // is not on disk yet, and the device is about to be told it is.
-        self.flusher.flush().await?;
         if queued {
-            self.outbox_changed.notify_one();
+            self.seqs.written.fetch_max(seq, Ordering::SeqCst);
         }
-        Ok(seq)
+        Ok((seq, queued))
     }
 
     /// Records a device's event durably and queues it for the cloud, unless
@@ -838,7 +917,7 @@ impl Store {
     ) -> Result<EventOutcome, StoreError> {
         let key = device.to_string();
         let outcome = {
-            let mut queued = self.events.lock().expect("event count");
+            let mut outbox_state = self.lock_outbox();
             let highest = self
                 .event_ids
                 .get(key.as_bytes())?
@@ -847,7 +926,7 @@ impl Store {
             if event.id <= highest {
                 EventOutcome::Duplicate { highest }
             } else {
-                let victim = if *queued >= self.max_events {
+                let victim = if outbox_state.events >= self.max_events {
                     self.oldest_event()?
                 } else {
                     None
@@ -887,8 +966,9 @@ impl Store {
                     },
                 );
                 let seq = result.map_err(from_transaction)?;
+                self.seqs.written.fetch_max(seq, Ordering::SeqCst);
                 if victim.is_none() {
-                    *queued += 1;
+                    outbox_state.events += 1;
                 }
                 EventOutcome::Stored {
                     seq,
@@ -922,20 +1002,27 @@ impl Store {
         if !self.meta.contains_key(META_DROPPED_UNREPORTED)? {
             return Ok(None);
         }
-        let result = (&self.outbox, &self.meta).transaction(|(outbox, meta)| {
-            let Some(dropped) = meta.remove(META_DROPPED_UNREPORTED)? else {
-                return Ok(None);
-            };
-            let dropped: Dropped = decode(META_DROPPED_UNREPORTED, &dropped)
-                .map_err(ConflictableTransactionError::Abort)?;
-            let seq = take_seq(meta)?;
-            outbox.insert(
-                &seq.to_be_bytes(),
-                encode(&OutboxEntry::EventsDropped(dropped)),
-            )?;
-            Ok(Some(seq))
-        });
-        let sealed = result.map_err(from_transaction)?;
+        let sealed = {
+            let _outbox = self.lock_outbox();
+            let result = (&self.outbox, &self.meta).transaction(|(outbox, meta)| {
+                let Some(dropped) = meta.remove(META_DROPPED_UNREPORTED)? else {
+                    return Ok(None);
+                };
+                let dropped: Dropped = decode(META_DROPPED_UNREPORTED, &dropped)
+                    .map_err(ConflictableTransactionError::Abort)?;
+                let seq = take_seq(meta)?;
+                outbox.insert(
+                    &seq.to_be_bytes(),
+                    encode(&OutboxEntry::EventsDropped(dropped)),
+                )?;
+                Ok(Some(seq))
+            });
+            let sealed = result.map_err(from_transaction)?;
+            if let Some(seq) = sealed {
+                self.seqs.written.fetch_max(seq, Ordering::SeqCst);
+            }
+            sealed
+        };
         self.flusher.flush().await?;
         Ok(sealed)
     }
@@ -951,7 +1038,7 @@ impl Store {
 
     /// Events waiting in the outbox.
     pub fn events_queued(&self) -> u64 {
-        *self.events.lock().expect("event count")
+        self.lock_outbox().events
     }
 
     /// Resolves once an entry has joined the outbox since the last call.
@@ -968,14 +1055,20 @@ impl Store {
             .transpose()
     }
 
-    /// Up to `max` outbox entries after sequence number `after`, in order.
+    /// Up to `max` outbox entries after sequence number `after`, in order,
+    /// that are on disk: one only written may still be lost in a crash, and
+    /// must not reach the cloud before it cannot be.
     pub fn pending_uplink(
         &self,
         after: u64,
         max: usize,
     ) -> Result<Vec<(u64, PendingUplink)>, StoreError> {
+        let durable = self.seqs.durable.load(Ordering::SeqCst);
+        if after >= durable {
+            return Ok(Vec::new());
+        }
         self.outbox
-            .range((after + 1).to_be_bytes()..)
+            .range((after + 1).to_be_bytes()..=durable.to_be_bytes())
             .take(max)
             .map(|item| {
                 let (k, v) = item?;
@@ -988,7 +1081,7 @@ impl Store {
     /// outbox. Returns how many entries were removed.
     pub async fn acknowledge_uplink(&self, seq: u64) -> Result<usize, StoreError> {
         let removed = {
-            let mut queued = self.events.lock().expect("event count");
+            let mut outbox_state = self.lock_outbox();
             let mut batch = sled::Batch::default();
             let (mut removed, mut events) = (0, 0);
             for item in self.outbox.range(..=seq.to_be_bytes()) {
@@ -1000,7 +1093,7 @@ impl Store {
                 removed += 1;
             }
             self.outbox.apply_batch(batch)?;
-            *queued = queued.saturating_sub(events);
+            outbox_state.events = outbox_state.events.saturating_sub(events);
             removed
         };
         self.flusher.flush().await?;
@@ -1051,7 +1144,8 @@ type FlushRequest = (
 
 impl GroupFlush {
     /// Starts the flushing thread; it ends once every handle is dropped.
-    fn start(db: sled::Db) -> Self {
+    /// Each flush moves `seqs`' durable mark.
+    fn start(db: sled::Db, seqs: Arc<SeqMarks>) -> Self {
         let (requests, waiting) = std::sync::mpsc::channel::<FlushRequest>();
         std::thread::Builder::new()
             .name("store-flush".into())
@@ -1059,7 +1153,7 @@ impl GroupFlush {
                 while let Ok(first) = waiting.recv() {
                     let mut batch = vec![first];
                     batch.extend(waiting.try_iter());
-                    let result = batch[0].0.flush().map(drop);
+                    let result = seqs.flush(&batch[0].0);
                     let waiters: Vec<_> = batch.into_iter().map(|(_, waiter)| waiter).collect();
                     for waiter in waiters {
                         let _ = waiter.send(result.clone());

@@ -1,8 +1,9 @@
 //! The agent's store on a real disk: what it promises survives a reopen,
 //! reports compact per device, the outbox drains only on acknowledgement,
-//! a corrupt store is moved aside with its outbox salvaged, one unreadable
-//! entry is dropped (not the store), and a store that is merely out of reach
-//! (locked, not a directory) is left alone with a clear error.
+//! only durable entries go up, a corrupt store is moved aside with its outbox
+//! salvaged, one unreadable entry is dropped (not the store), and a store
+//! that is merely out of reach (locked, not a directory) is left alone with
+//! a clear error.
 
 use std::collections::BTreeMap;
 
@@ -607,4 +608,34 @@ async fn one_unreadable_outbox_value_is_dropped_and_the_store_kept() {
     // Acknowledging past it works.
     let last = store.last_seq().unwrap();
     assert_eq!(store.acknowledge_uplink(last).await.unwrap(), 2);
+}
+
+#[tokio::test]
+async fn only_durable_entries_go_up() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = open(&tmp.path().join("store"));
+    let durable = store
+        .record_report(&ResourceKey::device("plant", "a"), report(1, 20.0), 1)
+        .await
+        .unwrap();
+    let written = store
+        .record_report_unflushed(&ResourceKey::device("plant", "b"), report(1, 30.0), 2)
+        .unwrap();
+    assert!(written > durable);
+    assert_eq!(store.outbox_depth(), 2, "it is in the outbox");
+    let seqs = |store: &Store| -> Vec<u64> {
+        store
+            .pending_uplink(0, usize::MAX)
+            .unwrap()
+            .into_iter()
+            .map(|(s, _)| s)
+            .collect()
+    };
+    assert_eq!(seqs(&store), [durable], "but not durable, so not sent");
+    // The next flush covers it.
+    let third = store
+        .record_report(&ResourceKey::device("plant", "c"), report(1, 40.0), 3)
+        .await
+        .unwrap();
+    assert_eq!(seqs(&store), [durable, written, third]);
 }
