@@ -10,7 +10,10 @@
 //! Durable points are explicit: every write that is answered to somebody (an
 //! Ack to the cloud, a success code to a device) is flushed first, and only
 //! outbox entries known to be on disk go up: an entry the cloud saw and
-//! acknowledged must not vanish in a power cut.
+//! acknowledged must not vanish in a power cut. Sequence numbers are
+//! reserved on disk in blocks before they are handed out, and a restart
+//! starts above the last block, so one handed out just before a crash is
+//! never handed out again for other content.
 //!
 //! Only a store proven corrupt (sled says so, another schema version,
 //! unreadable meta) is moved aside and a new one started: what can still be
@@ -43,9 +46,15 @@ const SCHEMA_VERSION: u32 = 1;
 
 const META_SCHEMA: &[u8] = b"schema_version";
 const META_NEXT_SEQ: &[u8] = b"next_seq";
+/// Sequence numbers below this are reserved: may have been handed out.
+const META_SEQ_RESERVED: &[u8] = b"seq_reserved";
 const META_STORE_ID: &[u8] = b"store_id";
 const META_DROPPED_TOTAL: &[u8] = b"events_dropped_total";
 const META_DROPPED_UNREPORTED: &[u8] = b"events_dropped_unreported";
+
+/// Sequence numbers are reserved on disk this many at a time: one flush per
+/// block, and a restart skips what is left of the last one.
+pub const SEQ_BLOCK: u64 = 1024;
 
 /// The default bound of events in the outbox (`--outbox-max-events`).
 pub const DEFAULT_MAX_EVENTS: u64 = 50_000;
@@ -334,6 +343,8 @@ pub struct Store {
 struct OutboxState {
     /// Events in the outbox.
     events: u64,
+    /// The first sequence number not reserved on disk yet.
+    reserved: u64,
 }
 
 /// How far sequence numbers are written and durable.
@@ -589,7 +600,7 @@ impl Store {
                 )));
             }
         }
-        for key in [META_NEXT_SEQ, META_DROPPED_TOTAL] {
+        for key in [META_NEXT_SEQ, META_SEQ_RESERVED, META_DROPPED_TOTAL] {
             if let Some(v) = store.meta.get(key).map_err(failed)?
                 && v.len() != 8
             {
@@ -615,7 +626,7 @@ impl Store {
                     .meta
                     .insert(META_STORE_ID, id.as_bytes())
                     .map_err(failed)?;
-                store.db.flush().map_err(failed)?;
+                // Made durable with the reservation below.
                 id
             }
         };
@@ -643,9 +654,6 @@ impl Store {
             Err(StoreError::Sled(e)) => return Err(failed(e)),
             Err(e) => return Err(OpenError::Unavailable(e)),
         };
-        if !lost.is_empty() {
-            store.db.flush().map_err(failed)?;
-        }
         let mut events = 0;
         for item in store.outbox.iter() {
             let (k, v) = item.map_err(failed)?;
@@ -653,14 +661,31 @@ impl Store {
                 events += 1;
             }
         }
-        store.lock_outbox().events = events;
+        // Sequence numbers of the last reserved block may have been handed
+        // out and lost in a crash: start above all of them, in a new block.
+        let seq_mark = |key| {
+            let value = store.meta.get(key).map_err(failed)?;
+            Ok::<_, OpenError>(value.map(|v| u64_from(&v)))
+        };
+        let next = seq_mark(META_NEXT_SEQ)?
+            .unwrap_or(1)
+            .max(seq_mark(META_SEQ_RESERVED)?.unwrap_or(0));
+        let reserved = next + SEQ_BLOCK;
+        store
+            .meta
+            .insert(META_NEXT_SEQ, &next.to_be_bytes())
+            .map_err(failed)?;
+        store
+            .meta
+            .insert(META_SEQ_RESERVED, &reserved.to_be_bytes())
+            .map_err(failed)?;
+        // One flush for the reservation, a new store's id and schema, and
+        // entries dropped as unreadable.
+        store.db.flush().map_err(failed)?;
+        *store.lock_outbox() = OutboxState { events, reserved };
         // Everything in the store when it opens is on disk.
-        let last = store.last_seq().map_err(|e| match e {
-            StoreError::Sled(e) => failed(e),
-            e => OpenError::Unavailable(e),
-        })?;
-        store.seqs.written.store(last, Ordering::SeqCst);
-        store.seqs.durable.store(last, Ordering::SeqCst);
+        store.seqs.written.store(next - 1, Ordering::SeqCst);
+        store.seqs.durable.store(next - 1, Ordering::SeqCst);
         Ok((store, lost))
     }
 
@@ -673,11 +698,12 @@ impl Store {
             lost,
         } = rescued;
         let mut outbox_state = self.lock_outbox();
+        let reserved = self.reserve_seqs(&mut outbox_state, entries.len() as u64)?;
         let result = (&self.outbox, &self.reported, &self.event_ids, &self.meta).transaction(
             |(outbox, reported, ids, meta)| {
                 let mut last = 0;
                 for pending in &entries {
-                    let seq = take_seq(meta)?;
+                    let seq = take_seq(meta, reserved)?;
                     let entry = match pending {
                         PendingUplink::Report { device, latest } => {
                             let key = device.to_string();
@@ -714,6 +740,22 @@ impl Store {
             event_ids: event_ids.len(),
             lost,
         })
+    }
+
+    /// Makes sure `n` sequence numbers are reserved on disk before they are
+    /// handed out, so a restart after a crash starts above them; returns
+    /// the first one not reserved. Called under the outbox lock. Reserving
+    /// waits for the disk, once per [`SEQ_BLOCK`] numbers.
+    fn reserve_seqs(&self, outbox: &mut OutboxState, n: u64) -> Result<u64, StoreError> {
+        let next = self.meta.get(META_NEXT_SEQ)?.map_or(1, |v| u64_from(&v));
+        if next + n > outbox.reserved {
+            let reserved = next + n.max(SEQ_BLOCK);
+            self.meta
+                .insert(META_SEQ_RESERVED, &reserved.to_be_bytes())?;
+            self.seqs.flush(&self.db)?;
+            outbox.reserved = reserved;
+        }
+        Ok(outbox.reserved)
     }
 
     /// Takes the outbox lock (see [`Store::outbox_lock`]).
@@ -862,7 +904,8 @@ impl Store {
             device: key.clone(),
         });
         let link_up_since = self.link_up_since.load(Ordering::Relaxed);
-        let _outbox = self.lock_outbox();
+        let mut outbox_state = self.lock_outbox();
+        let reserved = self.reserve_seqs(&mut outbox_state, 1)?;
         let result =
             (&self.reported, &self.outbox, &self.meta).transaction(|(reported, outbox, meta)| {
                 let previous = match reported.get(key.as_bytes())? {
@@ -885,7 +928,7 @@ impl Store {
                         return Ok((previous.seq, false));
                     }
                 }
-                let seq = take_seq(meta)?;
+                let seq = take_seq(meta, reserved)?;
                 if let Some(previous) = &previous {
                     outbox.remove(&previous.seq.to_be_bytes())?;
                 }
@@ -937,9 +980,10 @@ impl Store {
                     event: event.clone(),
                 }));
                 let bound = self.max_events;
+                let reserved = self.reserve_seqs(&mut outbox_state, 1)?;
                 let result = (&self.outbox, &self.event_ids, &self.meta).transaction(
                     |(outbox, event_ids, meta)| {
-                        let seq = take_seq(meta)?;
+                        let seq = take_seq(meta, reserved)?;
                         outbox.insert(&seq.to_be_bytes(), entry.clone())?;
                         event_ids.insert(key.as_bytes(), &event.id.to_be_bytes())?;
                         if let Some(victim) = victim {
@@ -1003,14 +1047,15 @@ impl Store {
             return Ok(None);
         }
         let sealed = {
-            let _outbox = self.lock_outbox();
+            let mut outbox_state = self.lock_outbox();
+            let reserved = self.reserve_seqs(&mut outbox_state, 1)?;
             let result = (&self.outbox, &self.meta).transaction(|(outbox, meta)| {
                 let Some(dropped) = meta.remove(META_DROPPED_UNREPORTED)? else {
                     return Ok(None);
                 };
                 let dropped: Dropped = decode(META_DROPPED_UNREPORTED, &dropped)
                     .map_err(ConflictableTransactionError::Abort)?;
-                let seq = take_seq(meta)?;
+                let seq = take_seq(meta, reserved)?;
                 outbox.insert(
                     &seq.to_be_bytes(),
                     encode(&OutboxEntry::EventsDropped(dropped)),
@@ -1100,7 +1145,8 @@ impl Store {
         Ok(removed)
     }
 
-    /// The highest uplink sequence number handed out so far (0: none).
+    /// The highest uplink sequence number handed out so far, or skipped at
+    /// a restart (0: none).
     pub fn last_seq(&self) -> Result<u64, StoreError> {
         Ok(self
             .meta
@@ -1176,9 +1222,20 @@ impl GroupFlush {
 }
 
 /// Hands out the next uplink sequence number, within a transaction on the
-/// meta tree.
-fn take_seq(meta: &TransactionalTree) -> ConflictableTransactionResult<u64, StoreError> {
+/// meta tree; it must be below `reserved` (see [`Store::reserve_seqs`]).
+fn take_seq(
+    meta: &TransactionalTree,
+    reserved: u64,
+) -> ConflictableTransactionResult<u64, StoreError> {
     let seq = meta.get(META_NEXT_SEQ)?.map(|v| u64_from(&v)).unwrap_or(1);
+    if seq >= reserved {
+        // Callers reserve first, under the outbox lock.
+        return Err(ConflictableTransactionError::Abort(StoreError::Sled(
+            sled::Error::ReportableBug(format!(
+                "sequence number {seq} is not reserved (reserved below {reserved})"
+            )),
+        )));
+    }
     meta.insert(META_NEXT_SEQ, &(seq + 1).to_be_bytes())?;
     Ok(seq)
 }

@@ -1,14 +1,13 @@
 //! The agent's store on a real disk: what it promises survives a reopen,
 //! reports compact per device, the outbox drains only on acknowledgement,
-//! only durable entries go up, a corrupt store is moved aside with its outbox
-//! salvaged, one unreadable entry is dropped (not the store), and a store
-//! that is merely out of reach (locked, not a directory) is left alone with
-//! a clear error.
+//! only durable entries go up, sequence numbers are never reused, a corrupt
+//! store is moved aside with its outbox salvaged, and a store that is merely
+//! out of reach (locked, not a directory) is left alone with a clear error.
 
 use std::collections::BTreeMap;
 
 use edgefleet_agent::store::{
-    DesiredDevice, Dropped, EventOutcome, PendingUplink, Store, StoreError,
+    DesiredDevice, Dropped, EventOutcome, PendingUplink, SEQ_BLOCK, Store, StoreError,
 };
 use edgefleet_shared::api::Transport;
 use edgefleet_shared::codec::{DeviceEvent, DeviceReport};
@@ -638,4 +637,60 @@ async fn only_durable_entries_go_up() {
         .await
         .unwrap();
     assert_eq!(seqs(&store), [durable, written, third]);
+}
+
+#[tokio::test]
+async fn sequence_numbers_handed_out_before_a_restart_are_never_reused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("store");
+    let (first, handed_out) = {
+        let store = open(&dir);
+        let first = store
+            .record_report(&ResourceKey::device("plant", "a"), report(1, 20.0), 1)
+            .await
+            .unwrap();
+        // Handed out but never flushed by the store: after a power cut these
+        // may be gone from disk while the seqs were seen (by a device).
+        let mut handed_out = first;
+        for name in ["b", "c"] {
+            handed_out = store
+                .record_report_unflushed(&ResourceKey::device("plant", name), report(1, 1.0), 2)
+                .unwrap();
+        }
+        (first, handed_out)
+    };
+    let store = open(&dir);
+    let next = store
+        .record_report(&ResourceKey::device("plant", "d"), report(1, 9.0), 9)
+        .await
+        .unwrap();
+    assert!(next > handed_out, "seq {next} after {handed_out}");
+    // The whole block reserved before the restart is skipped: whatever was
+    // handed out from it without reaching the disk is never handed out again.
+    assert!(
+        next >= first + SEQ_BLOCK,
+        "seq {next} is inside the block of {first} (block of {SEQ_BLOCK})"
+    );
+    assert!(store.last_seq().unwrap() >= next);
+
+    // Running past a block reserves the next one on the way.
+    let mut handed_out = next;
+    for i in 0..=SEQ_BLOCK {
+        let seq = store
+            .record_report_unflushed(
+                &ResourceKey::device("plant", format!("e{i}")),
+                report(1, 1.0),
+                3,
+            )
+            .unwrap();
+        assert!(seq > handed_out);
+        handed_out = seq;
+    }
+    drop(store);
+    let store = open(&dir);
+    let after = store
+        .record_report(&ResourceKey::device("plant", "f"), report(1, 9.0), 9)
+        .await
+        .unwrap();
+    assert!(after > handed_out, "seq {after} after {handed_out}");
 }
