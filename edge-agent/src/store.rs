@@ -199,9 +199,11 @@ pub enum StoreError {
     /// sled failed.
     #[error("store: {0}")]
     Sled(#[from] sled::Error),
+    // The messages below leave the cause to `source()`, so a report of
+    // the chain (anyhow's, in main) does not print it twice.
     /// Another process holds the store's lock: most likely another agent.
     #[error(
-        "another agent holds the store at {dir}: stop it, or give this agent a --data-dir of its own ({source})"
+        "another agent holds the store at {dir}: stop it, or give this agent a --data-dir of its own"
     )]
     Locked {
         /// The store's directory.
@@ -211,7 +213,7 @@ pub enum StoreError {
     },
     /// The agent may not read or write the store's files.
     #[error(
-        "permission denied on {dir}: the agent's user must be able to read and write it; the store was left as it is ({source})"
+        "permission denied on {dir}: the agent's user must be able to read and write it; the store was left as it is"
     )]
     PermissionDenied {
         /// The store's directory.
@@ -220,9 +222,7 @@ pub enum StoreError {
         source: std::io::Error,
     },
     /// The disk of the store is full.
-    #[error(
-        "no space left on the disk of {dir}: free some; the store was left as it is ({source})"
-    )]
+    #[error("no space left on the disk of {dir}: free some; the store was left as it is")]
     NoSpace {
         /// The store's directory.
         dir: PathBuf,
@@ -231,7 +231,7 @@ pub enum StoreError {
     },
     /// The store does not open for another reason that does not prove it
     /// corrupt (e.g. a file where its directory should be).
-    #[error("cannot open the store at {dir}; it was left as it is: {source}")]
+    #[error("cannot open the store at {dir}; it was left as it is")]
     Unavailable {
         /// The store's directory.
         dir: PathBuf,
