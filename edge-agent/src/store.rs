@@ -471,7 +471,8 @@ impl Store {
     /// version, unreadable meta) is renamed to `<dir>.broken-<unix seconds>`
     /// and a new one is created in its place. Any other failure (held by
     /// another agent, permission denied, disk full, not a directory) is
-    /// returned as it is, and nothing is moved.
+    /// returned as it is, and nothing is moved; a held lock is retried for
+    /// 2 s first.
     ///
     /// Before a corrupt store is moved, every outbox entry that still
     /// decodes (with the report it carries) and the devices' highest event
