@@ -72,19 +72,44 @@ async fn main() -> anyhow::Result<()> {
     telemetry::init_logging();
     let cli = Cli::parse();
 
-    let opened = Store::open(&cli.data_dir.join("store"))
-        .with_context(|| format!("open the store in {}", cli.data_dir.display()))?;
+    // A store that is out of reach (held by another agent, permission
+    // denied, disk full) stops the agent with a message saying what to do;
+    // only a corrupt one is moved aside.
+    let opened = Store::open(&cli.data_dir.join("store")).with_context(|| {
+        format!(
+            "the agent cannot start without its store in {}",
+            cli.data_dir.display()
+        )
+    })?;
     let mut registry = Registry::with_prefix("edgefleet_agent");
     let store_rebuilt = prometheus_client::metrics::counter::Counter::<u64>::default();
     registry.register(
         "store_rebuilds",
-        "Stores moved aside because they could not be opened",
+        "Stores moved aside because they were corrupt",
         store_rebuilt.clone(),
     );
+    let store_lost = prometheus_client::metrics::counter::Counter::<u64>::default();
+    registry.register(
+        "store_entries_lost",
+        "Stored entries dropped at start because they could not be read",
+        store_lost.clone(),
+    );
+    let salvage = &opened.salvage;
     if let Some((aside, reason)) = &opened.moved_aside {
         store_rebuilt.inc();
-        tracing::error!(moved_to = %aside.display(), %reason, "the store could not be opened; it was moved aside and a new one is rebuilt from the cloud");
+        tracing::error!(
+            moved_to = %aside.display(),
+            %reason,
+            salvaged_entries = salvage.entries,
+            salvaged_event_ids = salvage.event_ids,
+            lost = salvage.lost.len(),
+            "the store is corrupt; it was moved aside, what could be read of its outbox is in the new one, and desired state is rebuilt from the cloud"
+        );
     }
+    for lost in &salvage.lost {
+        tracing::error!(%lost, "unreadable in the store, and lost");
+    }
+    store_lost.inc_by(salvage.lost.len() as u64);
     let store = opened.store.with_max_events(cli.outbox_max_events);
 
     let coap_metrics = Arc::new(CoapMetrics::default());

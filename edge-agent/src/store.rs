@@ -8,13 +8,26 @@
 //! [`PendingUplink::EventsDropped`] entry when the link is there.
 //!
 //! Durable points are explicit: every write that is answered to somebody (an
-//! Ack to the cloud, a success code to a device) is flushed first. A store
-//! that fails to open is moved aside and a new one is started; the cloud
-//! resends desired state on the next Hello.
+//! Ack to the cloud, a success code to a device) is flushed first, and only
+//! outbox entries known to be on disk go up: an entry the cloud saw and
+//! acknowledged must not vanish in a power cut. Sequence numbers are
+//! reserved on disk in blocks before they are handed out, and a restart
+//! starts above the last block, so one handed out just before a crash is
+//! never handed out again for other content.
+//!
+//! Only a store proven corrupt (sled says so, another schema version,
+//! unreadable meta) is moved aside and a new one started: what can still be
+//! read of its outbox goes into the new one, and the cloud resends desired
+//! state on the next Hello. One unreadable outbox entry is dropped, not the
+//! store. A store that is merely out of reach (held by another agent,
+//! permission denied, disk full) is left as it is and the error says what to
+//! do.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use edgefleet_shared::api::Transport;
 use edgefleet_shared::codec::{DesiredState, DeviceEvent, DeviceReport, FirmwareOrder};
@@ -33,9 +46,15 @@ const SCHEMA_VERSION: u32 = 1;
 
 const META_SCHEMA: &[u8] = b"schema_version";
 const META_NEXT_SEQ: &[u8] = b"next_seq";
+/// Sequence numbers below this are reserved: may have been handed out.
+const META_SEQ_RESERVED: &[u8] = b"seq_reserved";
 const META_STORE_ID: &[u8] = b"store_id";
 const META_DROPPED_TOTAL: &[u8] = b"events_dropped_total";
 const META_DROPPED_UNREPORTED: &[u8] = b"events_dropped_unreported";
+
+/// Sequence numbers are reserved on disk this many at a time: one flush per
+/// block, and a restart skips what is left of the last one.
+pub const SEQ_BLOCK: u64 = 1024;
 
 /// The default bound of events in the outbox (`--outbox-max-events`).
 pub const DEFAULT_MAX_EVENTS: u64 = 50_000;
@@ -189,6 +208,45 @@ pub enum StoreError {
     /// sled failed.
     #[error("store: {0}")]
     Sled(#[from] sled::Error),
+    // The messages below leave the cause to `source()`, so a report of
+    // the chain (anyhow's, in main) does not print it twice.
+    /// Another process holds the store's lock: most likely another agent.
+    #[error(
+        "another agent holds the store at {dir}: stop it, or give this agent a --data-dir of its own"
+    )]
+    Locked {
+        /// The store's directory.
+        dir: PathBuf,
+        /// sled's report.
+        source: std::io::Error,
+    },
+    /// The agent may not read or write the store's files.
+    #[error(
+        "permission denied on {dir}: the agent's user must be able to read and write it; the store was left as it is"
+    )]
+    PermissionDenied {
+        /// The store's directory.
+        dir: PathBuf,
+        /// The file system's answer.
+        source: std::io::Error,
+    },
+    /// The disk of the store is full.
+    #[error("no space left on the disk of {dir}: free some; the store was left as it is")]
+    NoSpace {
+        /// The store's directory.
+        dir: PathBuf,
+        /// The file system's answer.
+        source: std::io::Error,
+    },
+    /// The store does not open for another reason that does not prove it
+    /// corrupt (e.g. a file where its directory should be).
+    #[error("cannot open the store at {dir}; it was left as it is")]
+    Unavailable {
+        /// The store's directory.
+        dir: PathBuf,
+        /// sled's report.
+        source: sled::Error,
+    },
     /// A stored value does not decode.
     #[error("store: value under {key:?} is unreadable: {reason}")]
     Corrupt {
@@ -210,13 +268,67 @@ pub enum StoreError {
 /// The most memory sled's page cache may use.
 pub const CACHE_BYTES: u64 = 64 * 1024 * 1024;
 
+/// How long a held lock is retried before the store is taken to be held by
+/// another agent: sled releases its file lock lazily once the last handle
+/// is gone (spacejam/sled#1234), and an agent that just exited may still
+/// hold it for a moment.
+const LOCK_PATIENCE: Duration = Duration::from_secs(2);
+
+/// Why an existing store did not open.
+enum OpenError {
+    /// The store is provably unusable: it may be moved aside. `db` is the
+    /// database when sled could open it, to salvage from.
+    Corrupt {
+        reason: String,
+        db: Option<sled::Db>,
+    },
+    /// Anything else: the store may well be fine, so it is left alone.
+    Unavailable(StoreError),
+}
+
+impl OpenError {
+    /// sled's corruption is proof; any other failure is not.
+    fn from_sled(dir: &Path, db: Option<&sled::Db>, e: sled::Error) -> Self {
+        match e {
+            sled::Error::Corruption { .. } => OpenError::Corrupt {
+                reason: format!("sled: {e}"),
+                db: db.cloned(),
+            },
+            e => OpenError::Unavailable(unavailable(dir, e)),
+        }
+    }
+}
+
+/// What a failure of sled that is not corruption tells the operator.
+fn unavailable(dir: &Path, e: sled::Error) -> StoreError {
+    let dir = dir.to_owned();
+    match e {
+        // sled reports a held lock as an `Other` error that says so.
+        sled::Error::Io(source)
+            if source.kind() == std::io::ErrorKind::WouldBlock
+                || source.to_string().contains("could not acquire lock") =>
+        {
+            StoreError::Locked { dir, source }
+        }
+        sled::Error::Io(source) if source.kind() == std::io::ErrorKind::PermissionDenied => {
+            StoreError::PermissionDenied { dir, source }
+        }
+        sled::Error::Io(source) if source.kind() == std::io::ErrorKind::StorageFull => {
+            StoreError::NoSpace { dir, source }
+        }
+        source => StoreError::Unavailable { dir, source },
+    }
+}
+
 /// The agent's store.
 #[derive(Clone, Debug)]
 pub struct Store {
-    // Events in the outbox, and the bound. Recording an event and
-    // acknowledging the outbox take this lock for their sled writes, so the
-    // count and the bound check agree with what is stored.
-    events: Arc<std::sync::Mutex<u64>>,
+    // Every write that takes sequence numbers or removes outbox entries
+    // holds this lock, so sequence numbers are committed in order and the
+    // event count and the bound check agree with what is stored.
+    outbox_lock: Arc<std::sync::Mutex<OutboxState>>,
+    // How far sequence numbers are written and durable.
+    seqs: Arc<SeqMarks>,
     max_events: u64,
     store_id: String,
     // Since when a sync session is open (Unix ms), or 0 while none is (see
@@ -235,26 +347,170 @@ pub struct Store {
     meta: sled::Tree,
 }
 
-/// A store just opened, and whether an unusable one had to be moved aside.
+/// What the writers of the outbox share, under [`Store::outbox_lock`].
+#[derive(Debug, Default)]
+struct OutboxState {
+    /// Events in the outbox.
+    events: u64,
+    /// The first sequence number not reserved on disk yet.
+    reserved: u64,
+}
+
+/// How far sequence numbers are written and durable.
+#[derive(Debug, Default)]
+struct SeqMarks {
+    /// The highest sequence number whose write has committed (it may not be
+    /// on disk yet). Writes commit in sequence order (under the outbox
+    /// lock), so every entry up to it is committed.
+    written: AtomicU64,
+    /// The highest sequence number known to be on disk: a flush that
+    /// started after its write committed has completed. Only entries up to
+    /// it go up.
+    durable: AtomicU64,
+}
+
+impl SeqMarks {
+    /// Flushes `db`, then moves the durable mark up to what was written
+    /// before the flush started.
+    fn flush(&self, db: &sled::Db) -> Result<(), sled::Error> {
+        let covered = self.written.load(Ordering::SeqCst);
+        db.flush()?;
+        self.durable.fetch_max(covered, Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+/// A store just opened, whether a corrupt one had to be moved aside, and
+/// what of its contents was carried over or lost.
 #[derive(Debug)]
 pub struct Opened {
     /// The store.
     pub store: Store,
-    /// Where the unusable store was moved, if it was.
+    /// Where the corrupt store was moved, and why, if it was.
     pub moved_aside: Option<(PathBuf, String)>,
+    /// What was salvaged and what was lost.
+    pub salvage: Salvage,
+}
+
+/// What opening the store carried over from a store moved aside, and what
+/// it could not read and dropped (from a store moved aside, or from the
+/// store it kept).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Salvage {
+    /// Outbox entries carried into the new store, in their order, under new
+    /// sequence numbers (with the reports they carry).
+    pub entries: usize,
+    /// Devices whose highest event id was carried over, so their resends
+    /// are still recognised.
+    pub event_ids: usize,
+    /// What could not be read and is gone, each naming where and why.
+    pub lost: Vec<String>,
+}
+
+/// What could be read out of a corrupt store before it is moved aside.
+#[derive(Default)]
+struct Rescued {
+    /// Outbox entries in order, with what they carry.
+    entries: Vec<PendingUplink>,
+    /// The highest event id per device.
+    event_ids: Vec<(sled::IVec, u64)>,
+    lost: Vec<String>,
+}
+
+impl Rescued {
+    /// Reads every outbox entry, report and event id that still decodes;
+    /// reading stops at the first failure of sled in a tree.
+    fn from(db: &sled::Db) -> Self {
+        let mut rescued = Rescued::default();
+        match (db.open_tree("outbox"), db.open_tree("reported")) {
+            (Ok(outbox), Ok(reported)) => {
+                for item in outbox.iter() {
+                    let (k, v) = match item {
+                        Ok(kv) => kv,
+                        Err(e) => {
+                            rescued.lost.push(format!("the rest of the outbox: {e}"));
+                            break;
+                        }
+                    };
+                    match read_entry(&reported, &k, &v) {
+                        Ok((_, pending)) => rescued.entries.push(pending),
+                        Err(e) => rescued.lost.push(what_is_lost(e)),
+                    }
+                }
+            }
+            (Err(e), _) | (_, Err(e)) => rescued.lost.push(format!("the outbox: {e}")),
+        }
+        // Drops not sealed into an entry yet go up as one, after the rest.
+        if let Ok(Some(v)) = db
+            .open_tree("meta")
+            .and_then(|m| m.get(META_DROPPED_UNREPORTED))
+        {
+            match decode(META_DROPPED_UNREPORTED, &v) {
+                Ok(dropped) => rescued.entries.push(PendingUplink::EventsDropped(dropped)),
+                Err(e) => rescued.lost.push(what_is_lost(e)),
+            }
+        }
+        match db.open_tree("event_ids") {
+            Ok(ids) => {
+                for item in ids.iter() {
+                    match item {
+                        Ok((k, v)) if v.len() == 8 => rescued.event_ids.push((k, u64_from(&v))),
+                        Ok((k, v)) => rescued.lost.push(format!(
+                            "the highest event id of {}: {} bytes, not 8",
+                            String::from_utf8_lossy(&k),
+                            v.len()
+                        )),
+                        Err(e) => {
+                            rescued.lost.push(format!("the rest of the event ids: {e}"));
+                            break;
+                        }
+                    }
+                }
+            }
+            Err(e) => rescued.lost.push(format!("the event ids: {e}")),
+        }
+        rescued
+    }
 }
 
 impl Store {
-    /// Opens the store in `dir`, creating it if needed. A store that does
-    /// not open, or was written by another schema version, is renamed to
-    /// `<dir>.broken-<unix seconds>` and a new one is created in its place.
+    /// Opens the store in `dir`, creating it if needed.
+    ///
+    /// A store proven corrupt (sled reports corruption, another schema
+    /// version, unreadable meta) is renamed to `<dir>.broken-<unix seconds>`
+    /// and a new one is created in its place. Any other failure (held by
+    /// another agent, permission denied, disk full, not a directory) is
+    /// returned as it is, and nothing is moved; a held lock is retried for
+    /// 2 s first.
+    ///
+    /// Before a corrupt store is moved, every outbox entry that still
+    /// decodes (with the report it carries) and the devices' highest event
+    /// ids are read out of it, and written into the new store in the same
+    /// order under new sequence numbers, so they still go up. An outbox
+    /// entry that does not decode is dropped and the store kept. Both are
+    /// told in [`Opened::salvage`].
     pub fn open(dir: &Path) -> Result<Opened, StoreError> {
-        match Self::open_existing(dir) {
-            Ok(store) => Ok(Opened {
+        match Self::open_patiently(dir) {
+            Ok((store, lost)) => Ok(Opened {
                 store,
                 moved_aside: None,
+                salvage: Salvage {
+                    lost,
+                    ..Salvage::default()
+                },
             }),
-            Err(reason) => {
+            Err(OpenError::Unavailable(e)) => Err(e),
+            Err(OpenError::Corrupt { reason, db }) => {
+                let rescued = match &db {
+                    Some(db) => Rescued::from(db),
+                    None => Rescued {
+                        lost: vec!["the whole outbox: sled cannot read the store".into()],
+                        ..Rescued::default()
+                    },
+                };
+                // The rename does not need the old database closed, but
+                // nothing reads it any more.
+                drop(db);
                 let stamp = std::time::SystemTime::now()
                     .duration_since(std::time::UNIX_EPOCH)
                     .map(|d| d.as_secs())
@@ -264,35 +520,67 @@ impl Store {
                     path: dir.to_owned(),
                     source,
                 })?;
-                let store = Self::open_existing(dir).map_err(|_| StoreError::Corrupt {
-                    key: dir.display().to_string(),
-                    reason: "a fresh store does not open either".into(),
+                let (store, _) = Self::open_existing(dir).map_err(|e| match e {
+                    OpenError::Unavailable(e) => e,
+                    OpenError::Corrupt { reason, .. } => StoreError::Corrupt {
+                        key: dir.display().to_string(),
+                        reason: format!("a fresh store does not open either: {reason}"),
+                    },
                 })?;
+                let salvage = store.take_in(rescued)?;
                 Ok(Opened {
                     store,
                     moved_aside: Some((aside, reason)),
+                    salvage,
                 })
             }
         }
     }
 
-    fn open_existing(dir: &Path) -> Result<Store, String> {
+    /// [`Store::open_existing`], retrying a held lock for a while (see
+    /// [`LOCK_PATIENCE`]).
+    fn open_patiently(dir: &Path) -> Result<(Store, Vec<String>), OpenError> {
+        let deadline = Instant::now() + LOCK_PATIENCE;
+        loop {
+            match Self::open_existing(dir) {
+                Err(OpenError::Unavailable(StoreError::Locked { .. }))
+                    if Instant::now() < deadline =>
+                {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                opened => return opened,
+            }
+        }
+    }
+
+    /// Opens the store in `dir` as it is; returns it with what was dropped
+    /// from it as unreadable.
+    fn open_existing(dir: &Path) -> Result<(Store, Vec<String>), OpenError> {
         let db = sled::Config::new()
             .path(dir)
             // sled's default page cache is 1 GiB; an edge box has less, and
             // a store of desired and latest states is small.
             .cache_capacity(CACHE_BYTES)
             .open()
-            .map_err(|e| e.to_string())?;
-        let tree = |name: &str| db.open_tree(name).map_err(|e| e.to_string());
+            .map_err(|e| OpenError::from_sled(dir, None, e))?;
+        // For the errors: the database to salvage from, if it comes to that.
+        let handle = db.clone();
+        let failed = |e: sled::Error| OpenError::from_sled(dir, Some(&handle), e);
+        let corrupt = |reason: String| OpenError::Corrupt {
+            reason,
+            db: Some(handle.clone()),
+        };
+        let tree = |name: &str| db.open_tree(name).map_err(failed);
+        let seqs = Arc::new(SeqMarks::default());
         let mut store = Store {
-            events: Arc::default(),
+            outbox_lock: Arc::default(),
+            seqs: seqs.clone(),
             max_events: DEFAULT_MAX_EVENTS,
             store_id: String::new(),
             link_up_since: Arc::default(),
             outbox_changed: Arc::new(Notify::new()),
             desired_changes: broadcast::Sender::new(DESIRED_CHANGES_BUFFER),
-            flusher: GroupFlush::start(db.clone()),
+            flusher: GroupFlush::start(db.clone(), seqs),
             desired: tree("desired")?,
             reported: tree("reported")?,
             outbox: tree("outbox")?,
@@ -300,19 +588,46 @@ impl Store {
             meta: tree("meta")?,
             db,
         };
-        match store.meta.get(META_SCHEMA).map_err(|e| e.to_string())? {
+        match store.meta.get(META_SCHEMA).map_err(failed)? {
             None if store.db.is_empty() && store.is_empty() => {
                 store
                     .meta
                     .insert(META_SCHEMA, &SCHEMA_VERSION.to_be_bytes())
-                    .map_err(|e| e.to_string())?;
+                    .map_err(failed)?;
                 // Made durable with the store id below.
             }
             Some(v) if v.as_ref() == SCHEMA_VERSION.to_be_bytes() => {}
-            Some(v) => return Err(format!("schema version {v:?}, expected {SCHEMA_VERSION}")),
-            None => return Err("no schema version".into()),
+            Some(v) => {
+                return Err(corrupt(format!(
+                    "schema version {v:?} in {}, expected {SCHEMA_VERSION}",
+                    dir.display()
+                )));
+            }
+            None => {
+                return Err(corrupt(format!(
+                    "no schema version in {}, which is not empty",
+                    dir.display()
+                )));
+            }
         }
-        store.store_id = match store.meta.get(META_STORE_ID).map_err(|e| e.to_string())? {
+        for key in [META_NEXT_SEQ, META_SEQ_RESERVED, META_DROPPED_TOTAL] {
+            if let Some(v) = store.meta.get(key).map_err(failed)?
+                && v.len() != 8
+            {
+                return Err(corrupt(format!(
+                    "meta {:?} in {} is {} bytes, not 8",
+                    String::from_utf8_lossy(key),
+                    dir.display(),
+                    v.len()
+                )));
+            }
+        }
+        if let Some(v) = store.meta.get(META_DROPPED_UNREPORTED).map_err(failed)?
+            && let Err(e) = decode::<Dropped>(META_DROPPED_UNREPORTED, &v)
+        {
+            return Err(corrupt(format!("{e} in {}", dir.display())));
+        }
+        store.store_id = match store.meta.get(META_STORE_ID).map_err(failed)? {
             Some(id) => String::from_utf8_lossy(&id).into_owned(),
             // A new store, or one from before ids existed.
             None => {
@@ -320,20 +635,142 @@ impl Store {
                 store
                     .meta
                     .insert(META_STORE_ID, id.as_bytes())
-                    .map_err(|e| e.to_string())?;
-                store.db.flush().map_err(|e| e.to_string())?;
+                    .map_err(failed)?;
+                // Made durable with the reservation below.
                 id
             }
         };
+        // One value that does not decode is not a corrupt store: the
+        // entry could never be sent, so it is dropped and the loss told.
+        // Latest reports first, as report entries carry them.
+        let reported = store.reported.clone();
+        let dropped = drop_unreadable(&store.reported, |k, v| {
+            decode::<LatestReport>(k, v).map_err(|e| match e {
+                StoreError::Corrupt { key, reason } => StoreError::Corrupt {
+                    key: format!("the latest report of {key}"),
+                    reason,
+                },
+                e => e,
+            })
+        })
+        .and_then(|mut lost| {
+            lost.extend(drop_unreadable(&store.outbox, |k, v| {
+                read_entry(&reported, k, v)
+            })?);
+            Ok(lost)
+        });
+        let lost = match dropped {
+            Ok(lost) => lost,
+            Err(StoreError::Sled(e)) => return Err(failed(e)),
+            Err(e) => return Err(OpenError::Unavailable(e)),
+        };
         let mut events = 0;
         for item in store.outbox.iter() {
-            let (k, v) = item.map_err(|e| e.to_string())?;
-            if let OutboxEntry::Event(_) = decode(&k, &v).map_err(|e| e.to_string())? {
+            let (k, v) = item.map_err(failed)?;
+            if let Ok(OutboxEntry::Event(_)) = decode(&k, &v) {
                 events += 1;
             }
         }
-        *store.events.lock().expect("event count") = events;
-        Ok(store)
+        // Sequence numbers of the last reserved block may have been handed
+        // out and lost in a crash: start above all of them, in a new block.
+        let seq_mark = |key| {
+            let value = store.meta.get(key).map_err(failed)?;
+            Ok::<_, OpenError>(value.map(|v| u64_from(&v)))
+        };
+        let next = seq_mark(META_NEXT_SEQ)?
+            .unwrap_or(1)
+            .max(seq_mark(META_SEQ_RESERVED)?.unwrap_or(0));
+        let reserved = next + SEQ_BLOCK;
+        store
+            .meta
+            .insert(META_NEXT_SEQ, &next.to_be_bytes())
+            .map_err(failed)?;
+        store
+            .meta
+            .insert(META_SEQ_RESERVED, &reserved.to_be_bytes())
+            .map_err(failed)?;
+        // One flush for the reservation, a new store's id and schema, and
+        // entries dropped as unreadable.
+        store.db.flush().map_err(failed)?;
+        *store.lock_outbox() = OutboxState { events, reserved };
+        // Everything in the store when it opens is on disk.
+        store.seqs.written.store(next - 1, Ordering::SeqCst);
+        store.seqs.durable.store(next - 1, Ordering::SeqCst);
+        Ok((store, lost))
+    }
+
+    /// Writes what was rescued from a corrupt store into this new one, in
+    /// the same order under fresh sequence numbers, durably.
+    fn take_in(&self, rescued: Rescued) -> Result<Salvage, StoreError> {
+        let Rescued {
+            entries,
+            event_ids,
+            lost,
+        } = rescued;
+        let mut outbox_state = self.lock_outbox();
+        let reserved = self.reserve_seqs(&mut outbox_state, entries.len() as u64)?;
+        let result = (&self.outbox, &self.reported, &self.event_ids, &self.meta).transaction(
+            |(outbox, reported, ids, meta)| {
+                let mut last = 0;
+                for pending in &entries {
+                    let seq = take_seq(meta, reserved)?;
+                    let entry = match pending {
+                        PendingUplink::Report { device, latest } => {
+                            let key = device.to_string();
+                            let latest = LatestReport {
+                                seq,
+                                ..latest.clone()
+                            };
+                            reported.insert(key.as_bytes(), encode(&latest))?;
+                            OutboxEntry::Report { device: key }
+                        }
+                        PendingUplink::Event { stored, .. } => OutboxEntry::Event(stored.clone()),
+                        PendingUplink::EventsDropped(dropped) => {
+                            OutboxEntry::EventsDropped(*dropped)
+                        }
+                    };
+                    outbox.insert(&seq.to_be_bytes(), encode(&entry))?;
+                    last = seq;
+                }
+                for (device, highest) in &event_ids {
+                    ids.insert(device, &highest.to_be_bytes())?;
+                }
+                Ok(last)
+            },
+        );
+        let last = result.map_err(from_transaction)?;
+        self.seqs.written.fetch_max(last, Ordering::SeqCst);
+        self.seqs.flush(&self.db)?;
+        outbox_state.events += entries
+            .iter()
+            .filter(|e| matches!(e, PendingUplink::Event { .. }))
+            .count() as u64;
+        Ok(Salvage {
+            entries: entries.len(),
+            event_ids: event_ids.len(),
+            lost,
+        })
+    }
+
+    /// Makes sure `n` sequence numbers are reserved on disk before they are
+    /// handed out, so a restart after a crash starts above them; returns
+    /// the first one not reserved. Called under the outbox lock. Reserving
+    /// waits for the disk, once per [`SEQ_BLOCK`] numbers.
+    fn reserve_seqs(&self, outbox: &mut OutboxState, n: u64) -> Result<u64, StoreError> {
+        let next = self.meta.get(META_NEXT_SEQ)?.map_or(1, |v| u64_from(&v));
+        if next + n > outbox.reserved {
+            let reserved = next + n.max(SEQ_BLOCK);
+            self.meta
+                .insert(META_SEQ_RESERVED, &reserved.to_be_bytes())?;
+            self.seqs.flush(&self.db)?;
+            outbox.reserved = reserved;
+        }
+        Ok(outbox.reserved)
+    }
+
+    /// Takes the outbox lock (see [`Store::outbox_lock`]).
+    fn lock_outbox(&self) -> std::sync::MutexGuard<'_, OutboxState> {
+        self.outbox_lock.lock().expect("outbox lock")
     }
 
     fn is_empty(&self) -> bool {
@@ -412,6 +849,8 @@ impl Store {
             .iter()
             .map(|(key, device)| (key.to_string(), encode(device)))
             .collect();
+        // Entries leave the outbox: the outbox's writers take turns.
+        let outbox_state = self.lock_outbox();
         let result = (&self.desired, &self.reported, &self.outbox, &self.event_ids).transaction(
             |(desired, reported, outbox, event_ids)| {
                 for (key, device) in &upserts {
@@ -432,6 +871,7 @@ impl Store {
             },
         );
         result.map_err(from_transaction)?;
+        drop(outbox_state);
         self.flusher.flush().await?;
         // Nobody listening is fine: publishers read the store when they start.
         let _ = self.desired_changes.send(DesiredChange {
@@ -462,10 +902,8 @@ impl Store {
     /// Tells the store since when a sync session is open (Unix ms), or
     /// that none is (`None`).
     pub fn set_link(&self, up_since_ms: Option<i64>) {
-        self.link_up_since.store(
-            up_since_ms.unwrap_or(0),
-            std::sync::atomic::Ordering::Relaxed,
-        );
+        self.link_up_since
+            .store(up_since_ms.unwrap_or(0), Ordering::Relaxed);
     }
 
     /// Records a device's report durably and queues it for the cloud;
@@ -482,14 +920,46 @@ impl Store {
         report: DeviceReport,
         received_at_ms: i64,
     ) -> Result<u64, StoreError> {
+        let (seq, queued) = self.write_report(device, report, received_at_ms)?;
+        // Also for unchanged content: it may be another caller's write that
+        // is not on disk yet, and the device is about to be told it is.
+        self.flusher.flush().await?;
+        if queued {
+            self.outbox_changed.notify_one();
+        }
+        Ok(seq)
+    }
+
+    /// [`Store::record_report`] without waiting for the disk: the entry is
+    /// written but not durable, so it does not go up yet. Only for tests of
+    /// that.
+    #[doc(hidden)]
+    pub fn record_report_unflushed(
+        &self,
+        device: &ResourceKey,
+        report: DeviceReport,
+        received_at_ms: i64,
+    ) -> Result<u64, StoreError> {
+        self.write_report(device, report, received_at_ms)
+            .map(|(seq, _)| seq)
+    }
+
+    /// Writes a report (not durably yet); returns its sequence number and
+    /// whether it joined the outbox.
+    fn write_report(
+        &self,
+        device: &ResourceKey,
+        report: DeviceReport,
+        received_at_ms: i64,
+    ) -> Result<(u64, bool), StoreError> {
         let key = device.to_string();
         let uid = self.held_uid(device)?;
         let entry = encode(&OutboxEntry::Report {
             device: key.clone(),
         });
-        let link_up_since = self
-            .link_up_since
-            .load(std::sync::atomic::Ordering::Relaxed);
+        let link_up_since = self.link_up_since.load(Ordering::Relaxed);
+        let mut outbox_state = self.lock_outbox();
+        let reserved = self.reserve_seqs(&mut outbox_state, 1)?;
         let result =
             (&self.reported, &self.outbox, &self.meta).transaction(|(reported, outbox, meta)| {
                 let previous = match reported.get(key.as_bytes())? {
@@ -515,7 +985,7 @@ impl Store {
                         return Ok((previous.seq, false));
                     }
                 }
-                let seq = take_seq(meta)?;
+                let seq = take_seq(meta, reserved)?;
                 if let Some(previous) = &previous {
                     outbox.remove(&previous.seq.to_be_bytes())?;
                 }
@@ -531,13 +1001,10 @@ impl Store {
                 Ok((seq, true))
             });
         let (seq, queued) = result.map_err(from_transaction)?;
-        // Also for unchanged content: it may be another caller's write that
-        // is not on disk yet, and the device is about to be told it is.
-        self.flusher.flush().await?;
         if queued {
-            self.outbox_changed.notify_one();
+            self.seqs.written.fetch_max(seq, Ordering::SeqCst);
         }
-        Ok(seq)
+        Ok((seq, queued))
     }
 
     /// Records a device's event durably and queues it for the cloud, unless
@@ -552,7 +1019,7 @@ impl Store {
         let key = device.to_string();
         let uid = self.held_uid(device)?;
         let outcome = {
-            let mut queued = self.events.lock().expect("event count");
+            let mut outbox_state = self.lock_outbox();
             let highest = self
                 .event_ids
                 .get(key.as_bytes())?
@@ -561,7 +1028,7 @@ impl Store {
             if event.id <= highest {
                 EventOutcome::Duplicate { highest }
             } else {
-                let victim = if *queued >= self.max_events {
+                let victim = if outbox_state.events >= self.max_events {
                     self.oldest_event()?
                 } else {
                     None
@@ -573,9 +1040,10 @@ impl Store {
                     event: event.clone(),
                 }));
                 let bound = self.max_events;
+                let reserved = self.reserve_seqs(&mut outbox_state, 1)?;
                 let result = (&self.outbox, &self.event_ids, &self.meta).transaction(
                     |(outbox, event_ids, meta)| {
-                        let seq = take_seq(meta)?;
+                        let seq = take_seq(meta, reserved)?;
                         outbox.insert(&seq.to_be_bytes(), entry.clone())?;
                         event_ids.insert(key.as_bytes(), &event.id.to_be_bytes())?;
                         if let Some(victim) = victim {
@@ -602,8 +1070,9 @@ impl Store {
                     },
                 );
                 let seq = result.map_err(from_transaction)?;
+                self.seqs.written.fetch_max(seq, Ordering::SeqCst);
                 if victim.is_none() {
-                    *queued += 1;
+                    outbox_state.events += 1;
                 }
                 EventOutcome::Stored {
                     seq,
@@ -637,20 +1106,28 @@ impl Store {
         if !self.meta.contains_key(META_DROPPED_UNREPORTED)? {
             return Ok(None);
         }
-        let result = (&self.outbox, &self.meta).transaction(|(outbox, meta)| {
-            let Some(dropped) = meta.remove(META_DROPPED_UNREPORTED)? else {
-                return Ok(None);
-            };
-            let dropped: Dropped = decode(META_DROPPED_UNREPORTED, &dropped)
-                .map_err(ConflictableTransactionError::Abort)?;
-            let seq = take_seq(meta)?;
-            outbox.insert(
-                &seq.to_be_bytes(),
-                encode(&OutboxEntry::EventsDropped(dropped)),
-            )?;
-            Ok(Some(seq))
-        });
-        let sealed = result.map_err(from_transaction)?;
+        let sealed = {
+            let mut outbox_state = self.lock_outbox();
+            let reserved = self.reserve_seqs(&mut outbox_state, 1)?;
+            let result = (&self.outbox, &self.meta).transaction(|(outbox, meta)| {
+                let Some(dropped) = meta.remove(META_DROPPED_UNREPORTED)? else {
+                    return Ok(None);
+                };
+                let dropped: Dropped = decode(META_DROPPED_UNREPORTED, &dropped)
+                    .map_err(ConflictableTransactionError::Abort)?;
+                let seq = take_seq(meta, reserved)?;
+                outbox.insert(
+                    &seq.to_be_bytes(),
+                    encode(&OutboxEntry::EventsDropped(dropped)),
+                )?;
+                Ok(Some(seq))
+            });
+            let sealed = result.map_err(from_transaction)?;
+            if let Some(seq) = sealed {
+                self.seqs.written.fetch_max(seq, Ordering::SeqCst);
+            }
+            sealed
+        };
         self.flusher.flush().await?;
         Ok(sealed)
     }
@@ -666,7 +1143,7 @@ impl Store {
 
     /// Events waiting in the outbox.
     pub fn events_queued(&self) -> u64 {
-        *self.events.lock().expect("event count")
+        self.lock_outbox().events
     }
 
     /// Resolves once an entry has joined the outbox since the last call.
@@ -683,46 +1160,33 @@ impl Store {
             .transpose()
     }
 
-    /// Up to `max` outbox entries after sequence number `after`, in order.
+    /// Up to `max` outbox entries after sequence number `after`, in order,
+    /// that are on disk: one only written may still be lost in a crash, and
+    /// must not reach the cloud before it cannot be.
     pub fn pending_uplink(
         &self,
         after: u64,
         max: usize,
     ) -> Result<Vec<(u64, PendingUplink)>, StoreError> {
-        let mut out = Vec::new();
-        for item in self.outbox.range((after + 1).to_be_bytes()..).take(max) {
-            let (k, v) = item?;
-            let seq = u64_from(&k);
-            let pending = match decode(&k, &v)? {
-                OutboxEntry::Report { device } => {
-                    let key = parse_key(device.as_bytes())?;
-                    let latest = self
-                        .latest_report(&key)?
-                        .ok_or_else(|| StoreError::Corrupt {
-                            key: device.clone(),
-                            reason: format!("outbox entry {seq} names a device with no report"),
-                        })?;
-                    PendingUplink::Report {
-                        device: key,
-                        latest,
-                    }
-                }
-                OutboxEntry::Event(stored) => PendingUplink::Event {
-                    device: parse_key(stored.device.as_bytes())?,
-                    stored,
-                },
-                OutboxEntry::EventsDropped(dropped) => PendingUplink::EventsDropped(dropped),
-            };
-            out.push((seq, pending));
+        let durable = self.seqs.durable.load(Ordering::SeqCst);
+        if after >= durable {
+            return Ok(Vec::new());
         }
-        Ok(out)
+        self.outbox
+            .range((after + 1).to_be_bytes()..=durable.to_be_bytes())
+            .take(max)
+            .map(|item| {
+                let (k, v) = item?;
+                read_entry(&self.reported, &k, &v)
+            })
+            .collect()
     }
 
     /// The cloud has made everything up to `seq` durable: drop it from the
     /// outbox. Returns how many entries were removed.
     pub async fn acknowledge_uplink(&self, seq: u64) -> Result<usize, StoreError> {
         let removed = {
-            let mut queued = self.events.lock().expect("event count");
+            let mut outbox_state = self.lock_outbox();
             let mut batch = sled::Batch::default();
             let (mut removed, mut events) = (0, 0);
             for item in self.outbox.range(..=seq.to_be_bytes()) {
@@ -734,14 +1198,15 @@ impl Store {
                 removed += 1;
             }
             self.outbox.apply_batch(batch)?;
-            *queued = queued.saturating_sub(events);
+            outbox_state.events = outbox_state.events.saturating_sub(events);
             removed
         };
         self.flusher.flush().await?;
         Ok(removed)
     }
 
-    /// The highest uplink sequence number handed out so far (0: none).
+    /// The highest uplink sequence number handed out so far, or skipped at
+    /// a restart (0: none).
     pub fn last_seq(&self) -> Result<u64, StoreError> {
         Ok(self
             .meta
@@ -785,7 +1250,8 @@ type FlushRequest = (
 
 impl GroupFlush {
     /// Starts the flushing thread; it ends once every handle is dropped.
-    fn start(db: sled::Db) -> Self {
+    /// Each flush moves `seqs`' durable mark.
+    fn start(db: sled::Db, seqs: Arc<SeqMarks>) -> Self {
         let (requests, waiting) = std::sync::mpsc::channel::<FlushRequest>();
         std::thread::Builder::new()
             .name("store-flush".into())
@@ -793,7 +1259,7 @@ impl GroupFlush {
                 while let Ok(first) = waiting.recv() {
                     let mut batch = vec![first];
                     batch.extend(waiting.try_iter());
-                    let result = batch[0].0.flush().map(drop);
+                    let result = seqs.flush(&batch[0].0);
                     let waiters: Vec<_> = batch.into_iter().map(|(_, waiter)| waiter).collect();
                     for waiter in waiters {
                         let _ = waiter.send(result.clone());
@@ -816,11 +1282,95 @@ impl GroupFlush {
 }
 
 /// Hands out the next uplink sequence number, within a transaction on the
-/// meta tree.
-fn take_seq(meta: &TransactionalTree) -> ConflictableTransactionResult<u64, StoreError> {
+/// meta tree; it must be below `reserved` (see [`Store::reserve_seqs`]).
+fn take_seq(
+    meta: &TransactionalTree,
+    reserved: u64,
+) -> ConflictableTransactionResult<u64, StoreError> {
     let seq = meta.get(META_NEXT_SEQ)?.map(|v| u64_from(&v)).unwrap_or(1);
+    if seq >= reserved {
+        // Callers reserve first, under the outbox lock.
+        return Err(ConflictableTransactionError::Abort(StoreError::Sled(
+            sled::Error::ReportableBug(format!(
+                "sequence number {seq} is not reserved (reserved below {reserved})"
+            )),
+        )));
+    }
     meta.insert(META_NEXT_SEQ, &(seq + 1).to_be_bytes())?;
     Ok(seq)
+}
+
+/// Reads one outbox entry with what it carries (a report entry, the
+/// device's latest report). A value that does not decode is `Corrupt`,
+/// naming the entry.
+fn read_entry(
+    reported: &sled::Tree,
+    k: &[u8],
+    v: &[u8],
+) -> Result<(u64, PendingUplink), StoreError> {
+    let name = || match <[u8; 8]>::try_from(k) {
+        Ok(seq) => format!("outbox entry {}", u64::from_be_bytes(seq)),
+        Err(_) => format!("outbox entry {:?}", String::from_utf8_lossy(k)),
+    };
+    let unreadable = |reason: String| StoreError::Corrupt {
+        key: name(),
+        reason,
+    };
+    let seq = <[u8; 8]>::try_from(k)
+        .map(u64::from_be_bytes)
+        .map_err(|_| unreadable(format!("a key of {} bytes, not 8", k.len())))?;
+    let device = |name: &str| {
+        name.parse::<ResourceKey>()
+            .map_err(|e| unreadable(format!("device {name:?}: {e}")))
+    };
+    let entry: OutboxEntry = serde_cbor::from_slice(v).map_err(|e| unreadable(e.to_string()))?;
+    let pending = match entry {
+        OutboxEntry::Report { device: name } => {
+            let device = device(&name)?;
+            let latest = reported
+                .get(name.as_bytes())?
+                .ok_or_else(|| unreadable(format!("{name} has no report")))?;
+            let latest = serde_cbor::from_slice(&latest)
+                .map_err(|e| unreadable(format!("the report of {name}: {e}")))?;
+            PendingUplink::Report { device, latest }
+        }
+        OutboxEntry::Event(stored) => PendingUplink::Event {
+            device: device(&stored.device)?,
+            stored,
+        },
+        OutboxEntry::EventsDropped(dropped) => PendingUplink::EventsDropped(dropped),
+    };
+    Ok((seq, pending))
+}
+
+/// Removes the values of `tree` that `read` finds unreadable (`Corrupt`),
+/// and returns what was removed, and why.
+fn drop_unreadable<T>(
+    tree: &sled::Tree,
+    read: impl Fn(&[u8], &[u8]) -> Result<T, StoreError>,
+) -> Result<Vec<String>, StoreError> {
+    let (mut lost, mut unreadable) = (Vec::new(), sled::Batch::default());
+    for item in tree.iter() {
+        let (k, v) = item?;
+        match read(&k, &v) {
+            Ok(_) => {}
+            Err(e @ StoreError::Corrupt { .. }) => {
+                lost.push(what_is_lost(e));
+                unreadable.remove(k);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    tree.apply_batch(unreadable)?;
+    Ok(lost)
+}
+
+/// A loss, as [`Salvage::lost`] tells it.
+fn what_is_lost(e: StoreError) -> String {
+    match e {
+        StoreError::Corrupt { key, reason } => format!("{key}: {reason}"),
+        e => e.to_string(),
+    }
 }
 
 fn from_transaction(e: TransactionError<StoreError>) -> StoreError {

@@ -1,10 +1,14 @@
 //! The agent's store on a real disk: what it promises survives a reopen,
-//! reports compact per device, the outbox drains only on acknowledgement, and
-//! an unusable store is moved aside instead of stopping the agent.
+//! reports compact per device, the outbox drains only on acknowledgement,
+//! only durable entries go up, sequence numbers are never reused, a corrupt
+//! store is moved aside with its outbox salvaged, and a store that is merely
+//! out of reach (locked, not a directory) is left alone with a clear error.
 
 use std::collections::BTreeMap;
 
-use edgefleet_agent::store::{DesiredDevice, Dropped, EventOutcome, PendingUplink, Store};
+use edgefleet_agent::store::{
+    DesiredDevice, Dropped, EventOutcome, PendingUplink, SEQ_BLOCK, Store, StoreError,
+};
 use edgefleet_shared::api::Transport;
 use edgefleet_shared::codec::{DeviceEvent, DeviceReport};
 use edgefleet_shared::{PropertyValue, ResourceKey, ResourceVersion};
@@ -152,6 +156,9 @@ async fn an_unreadable_store_is_moved_aside_and_replaced() {
     let (aside, reason) = opened.moved_aside.expect("the broken store is moved aside");
     assert!(aside.exists(), "{}", aside.display());
     assert!(!reason.is_empty());
+    // sled cannot read it at all: nothing to salvage, and that is said.
+    assert_eq!(opened.salvage.entries, 0);
+    assert!(!opened.salvage.lost.is_empty(), "{:?}", opened.salvage);
     // The new store works.
     let key = ResourceKey::device("plant", "a");
     opened
@@ -449,4 +456,284 @@ async fn reports_and_events_name_the_object_they_are_about_and_start_afresh_when
     // Removed from the node: its report state goes too.
     store.apply(&[], std::slice::from_ref(&a)).await.unwrap();
     assert!(store.latest_report(&a).unwrap().is_none());
+}
+
+/// What sits next to the store's directory (a store moved aside shows up
+/// here as `store.broken-<stamp>`).
+fn beside(dir: &std::path::Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir.parent().unwrap())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+/// Changes a closed store behind the agent's back, as a bad disk or another
+/// version of the agent would.
+fn tamper(dir: &std::path::Path, change: impl FnOnce(&sled::Db)) {
+    let db = sled::open(dir).unwrap();
+    change(&db);
+    db.flush().unwrap();
+}
+
+#[tokio::test]
+async fn a_store_another_agent_holds_is_left_alone_with_a_clear_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("store");
+    let a = ResourceKey::device("plant", "a");
+    let first = open(&dir);
+    let seq = first.record_report(&a, report(1, 20.0), 1).await.unwrap();
+
+    let err = Store::open(&dir).expect_err("a store another agent holds must not open");
+    assert!(
+        matches!(&err, StoreError::Locked { dir: d, .. } if d == &dir),
+        "{err:?}"
+    );
+    assert!(
+        err.to_string().contains(&format!(
+            "another agent holds the store at {}",
+            dir.display()
+        )),
+        "{err}"
+    );
+    assert_eq!(beside(&dir), ["store"], "nothing was moved aside");
+
+    // The holder goes on, and what it stored is there for the next agent.
+    let id = first.store_id().to_owned();
+    drop(first);
+    let store = open(&dir);
+    assert_eq!(store.store_id(), id);
+    assert_eq!(store.pending_uplink(0, 10).unwrap()[0].0, seq);
+}
+
+#[tokio::test]
+async fn a_file_where_the_store_should_be_is_an_error_not_a_rebuild() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("store");
+    std::fs::write(&dir, b"not a directory").unwrap();
+
+    let err = Store::open(&dir).expect_err("a file is not a store");
+    assert!(
+        matches!(&err, StoreError::Unavailable { dir: d, .. } if d == &dir),
+        "{err:?}"
+    );
+    assert!(
+        err.to_string().contains(&dir.display().to_string()),
+        "{err}"
+    );
+    assert_eq!(beside(&dir), ["store"], "nothing was moved aside");
+    assert_eq!(std::fs::read(&dir).unwrap(), b"not a directory");
+}
+
+#[tokio::test]
+async fn a_store_of_another_schema_is_moved_aside_and_its_outbox_salvaged() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("store");
+    let a = ResourceKey::device("plant", "a");
+    let b = ResourceKey::device("plant", "b");
+    let (old_id, old_pending) = {
+        let store = open(&dir);
+        store.record_report(&a, report(1, 20.0), 1).await.unwrap();
+        store.record_event(&a, event(1, "Tick"), 2).await.unwrap();
+        store.record_report(&b, report(1, 30.0), 3).await.unwrap();
+        store.record_event(&a, event(2, "Tock"), 4).await.unwrap();
+        (
+            store.store_id().to_owned(),
+            store.pending_uplink(0, usize::MAX).unwrap(),
+        )
+    };
+    assert_eq!(old_pending.len(), 4);
+    tamper(&dir, |db| {
+        let meta = db.open_tree("meta").unwrap();
+        meta.insert("schema_version", &99u32.to_be_bytes()).unwrap();
+    });
+
+    let opened = Store::open(&dir).unwrap();
+    let (aside, reason) = opened.moved_aside.expect("moved aside");
+    assert!(aside.exists(), "{}", aside.display());
+    assert!(reason.contains("schema"), "{reason}");
+
+    // The new store is another store, and sends the same content in the
+    // same order under its own sequence numbers.
+    let store = opened.store;
+    assert_ne!(store.store_id(), old_id);
+    let pending = store.pending_uplink(0, usize::MAX).unwrap();
+    let seqs: Vec<u64> = pending.iter().map(|(s, _)| *s).collect();
+    assert!(seqs.windows(2).all(|w| w[0] < w[1]), "{seqs:?}");
+    let content = |entries: &[(u64, PendingUplink)]| -> Vec<PendingUplink> {
+        entries
+            .iter()
+            .map(|(_, p)| match p {
+                PendingUplink::Report { device, latest } => PendingUplink::Report {
+                    device: device.clone(),
+                    latest: edgefleet_agent::store::LatestReport {
+                        seq: 0,
+                        ..latest.clone()
+                    },
+                },
+                other => other.clone(),
+            })
+            .collect()
+    };
+    assert_eq!(content(&pending), content(&old_pending));
+    // A report points at its own outbox entry in the new store.
+    let PendingUplink::Report { latest, .. } = &pending[0].1 else {
+        panic!("{:?}", pending[0]);
+    };
+    assert_eq!(latest.seq, seqs[0]);
+    assert_eq!(store.events_queued(), 2);
+    assert_eq!(opened.salvage.entries, 4, "{:?}", opened.salvage);
+    assert_eq!(opened.salvage.event_ids, 1, "{:?}", opened.salvage);
+    assert!(opened.salvage.lost.is_empty(), "{:?}", opened.salvage);
+    // Event ids came along: a resend is still a duplicate.
+    assert_eq!(
+        store.record_event(&a, event(2, "Tock"), 5).await.unwrap(),
+        EventOutcome::Duplicate { highest: 2 }
+    );
+    // And all of it is in the new store for good.
+    drop(store);
+    let store = open(&dir);
+    assert_eq!(
+        content(&store.pending_uplink(0, usize::MAX).unwrap()),
+        content(&old_pending)
+    );
+}
+
+#[tokio::test]
+async fn one_unreadable_outbox_value_is_dropped_and_the_store_kept() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("store");
+    let a = ResourceKey::device("plant", "a");
+    let b = ResourceKey::device("plant", "b");
+    let (id, broken) = {
+        let store = open(&dir);
+        store.record_report(&a, report(1, 20.0), 1).await.unwrap();
+        let EventOutcome::Stored { seq, .. } =
+            store.record_event(&a, event(1, "Tick"), 2).await.unwrap()
+        else {
+            panic!("stored")
+        };
+        store.record_report(&b, report(1, 30.0), 3).await.unwrap();
+        (store.store_id().to_owned(), seq)
+    };
+    tamper(&dir, |db| {
+        let outbox = db.open_tree("outbox").unwrap();
+        outbox
+            .insert(broken.to_be_bytes(), &b"\xff\xfe not cbor"[..])
+            .unwrap();
+    });
+
+    let opened = Store::open(&dir).unwrap();
+    assert!(opened.moved_aside.is_none(), "{:?}", opened.moved_aside);
+    assert_eq!(beside(&dir), ["store"]);
+    assert_eq!(opened.salvage.lost.len(), 1, "{:?}", opened.salvage);
+    assert!(
+        opened.salvage.lost[0].starts_with(&format!("outbox entry {broken}: ")),
+        "the loss names the entry: {:?}",
+        opened.salvage.lost
+    );
+    let store = opened.store;
+    assert_eq!(store.store_id(), id, "the same store");
+    let devices: Vec<String> = store
+        .pending_uplink(0, usize::MAX)
+        .unwrap()
+        .into_iter()
+        .map(|(_, p)| match p {
+            PendingUplink::Report { device, .. } => device.name,
+            other => panic!("only reports are left, not {other:?}"),
+        })
+        .collect();
+    assert_eq!(devices, ["a", "b"]);
+    assert_eq!(store.outbox_depth(), 2, "the unreadable entry is gone");
+    assert_eq!(store.events_queued(), 0);
+    // Acknowledging past it works.
+    let last = store.last_seq().unwrap();
+    assert_eq!(store.acknowledge_uplink(last).await.unwrap(), 2);
+}
+
+#[tokio::test]
+async fn only_durable_entries_go_up() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = open(&tmp.path().join("store"));
+    let durable = store
+        .record_report(&ResourceKey::device("plant", "a"), report(1, 20.0), 1)
+        .await
+        .unwrap();
+    let written = store
+        .record_report_unflushed(&ResourceKey::device("plant", "b"), report(1, 30.0), 2)
+        .unwrap();
+    assert!(written > durable);
+    assert_eq!(store.outbox_depth(), 2, "it is in the outbox");
+    let seqs = |store: &Store| -> Vec<u64> {
+        store
+            .pending_uplink(0, usize::MAX)
+            .unwrap()
+            .into_iter()
+            .map(|(s, _)| s)
+            .collect()
+    };
+    assert_eq!(seqs(&store), [durable], "but not durable, so not sent");
+    // The next flush covers it.
+    let third = store
+        .record_report(&ResourceKey::device("plant", "c"), report(1, 40.0), 3)
+        .await
+        .unwrap();
+    assert_eq!(seqs(&store), [durable, written, third]);
+}
+
+#[tokio::test]
+async fn sequence_numbers_handed_out_before_a_restart_are_never_reused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("store");
+    let (first, handed_out) = {
+        let store = open(&dir);
+        let first = store
+            .record_report(&ResourceKey::device("plant", "a"), report(1, 20.0), 1)
+            .await
+            .unwrap();
+        // Handed out but never flushed by the store: after a power cut these
+        // may be gone from disk while the seqs were seen (by a device).
+        let mut handed_out = first;
+        for name in ["b", "c"] {
+            handed_out = store
+                .record_report_unflushed(&ResourceKey::device("plant", name), report(1, 1.0), 2)
+                .unwrap();
+        }
+        (first, handed_out)
+    };
+    let store = open(&dir);
+    let next = store
+        .record_report(&ResourceKey::device("plant", "d"), report(1, 9.0), 9)
+        .await
+        .unwrap();
+    assert!(next > handed_out, "seq {next} after {handed_out}");
+    // The whole block reserved before the restart is skipped: whatever was
+    // handed out from it without reaching the disk is never handed out again.
+    assert!(
+        next >= first + SEQ_BLOCK,
+        "seq {next} is inside the block of {first} (block of {SEQ_BLOCK})"
+    );
+    assert!(store.last_seq().unwrap() >= next);
+
+    // Running past a block reserves the next one on the way.
+    let mut handed_out = next;
+    for i in 0..=SEQ_BLOCK {
+        let seq = store
+            .record_report_unflushed(
+                &ResourceKey::device("plant", format!("e{i}")),
+                report(1, 1.0),
+                3,
+            )
+            .unwrap();
+        assert!(seq > handed_out);
+        handed_out = seq;
+    }
+    drop(store);
+    let store = open(&dir);
+    let after = store
+        .record_report(&ResourceKey::device("plant", "f"), report(1, 9.0), 9)
+        .await
+        .unwrap();
+    assert!(after > handed_out, "seq {after} after {handed_out}");
 }
