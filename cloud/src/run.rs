@@ -87,6 +87,7 @@ impl Controller {
             settings.status_metrics,
             events.clone(),
         );
+        status.judge_reachability_by(Arc::clone(&agents));
         let mut tasks = JoinSet::new();
 
         let (edge_nodes, edge_node_writer) = reflector::store::<EdgeNode>();

@@ -43,6 +43,10 @@ pub const CONCURRENT_WRITES: usize = 8;
 /// The field manager of every status write the controller makes.
 pub const FIELD_MANAGER: &str = "edgefleet-cloud";
 
+/// While both kinds wait, one write in this many goes to a change of
+/// reachability only, so a node's `Online` flips are never starved by data.
+pub const REACHABILITY_SHARE: u32 = 4;
+
 /// `lastSeen` moves at most this often; on its own it never causes a write
 /// sooner.
 pub const LAST_SEEN_RESOLUTION: Duration = Duration::from_secs(60);
@@ -193,6 +197,8 @@ struct State {
     // Devices with a write on its way: never two writes for one device at
     // once, so they cannot land out of order.
     writing: HashSet<ResourceKey>,
+    // Data writes made in a row while reachability changes may wait.
+    urgent_streak: u32,
     // The status as this manager last wrote it, with the uid of the object
     // it was written to: the base of the next write to that same object.
     written: HashMap<ResourceKey, (String, DeviceStatus)>,
@@ -213,6 +219,8 @@ struct Inner {
     limiter: DefaultDirectRateLimiter,
     metrics: StatusMetrics,
     events: Events,
+    // Which nodes have an agent now: reachability is judged at write time.
+    agents: std::sync::OnceLock<Arc<crate::agents::Agents>>,
 }
 
 impl std::fmt::Debug for Inner {
@@ -244,8 +252,16 @@ impl StatusWriter {
                 ),
                 metrics,
                 events,
+                agents: std::sync::OnceLock::new(),
             }),
         }
+    }
+
+    /// Judges a node's reachability by `agents` when a write is made, not
+    /// when the change was queued: an `Unreachable` queued just before the
+    /// node's agent came back is written as reachable.
+    pub fn judge_reachability_by(&self, agents: Arc<crate::agents::Agents>) {
+        let _ = self.inner.agents.set(agents);
     }
 
     /// The writer's counters.
@@ -333,9 +349,22 @@ impl StatusWriter {
             urgent,
             pending,
             writing,
+            urgent_streak,
             ..
         } = &mut *state;
-        pop_ready(urgent, pending, writing).or_else(|| pop_ready(queue, pending, writing))
+        // Reachability gets its share even while data fills the budget.
+        if *urgent_streak + 1 >= REACHABILITY_SHARE
+            && let Some(next) = pop_ready(queue, pending, writing)
+        {
+            *urgent_streak = 0;
+            return Some(next);
+        }
+        if let Some(next) = pop_ready(urgent, pending, writing) {
+            *urgent_streak += 1;
+            return Some(next);
+        }
+        *urgent_streak = 0;
+        pop_ready(queue, pending, writing)
     }
 
     /// A write of `key` is done: its next changes may go.
@@ -411,9 +440,13 @@ impl StatusWriter {
             .filter(|c| matches!(c, StatusChange::Reported { uid: about, .. } if *about != uid))
             .count();
         self.inner.metrics.other_object.inc_by(other_object as u64);
-        let stale = count_stale(&base, &pending.changes);
+        let changes = match self.inner.agents.get() {
+            Some(agents) => reachability_now(&pending.changes, |node| agents.is_connected(node)),
+            None => pending.changes.clone(),
+        };
+        let stale = count_stale(&base, &changes);
         self.inner.metrics.stale.inc_by(stale);
-        let next = next_status(&base, &pending.changes, &uid, generation, now);
+        let next = next_status(&base, &changes, &uid, generation, now);
         if !needs_write(&base, &next) {
             self.inner.metrics.skipped.inc();
             if next != base {
@@ -517,6 +550,23 @@ impl StatusWriter {
             .written
             .remove(key);
     }
+}
+
+/// `changes` with each node's reachability as it is now: a node found
+/// unreachable earlier whose agent `is_connected` again is reachable.
+pub fn reachability_now(
+    changes: &[StatusChange],
+    is_connected: impl Fn(&str) -> bool,
+) -> Vec<StatusChange> {
+    changes
+        .iter()
+        .map(|change| match change {
+            StatusChange::NodeUnreachable { node } if is_connected(node) => {
+                StatusChange::NodeReachable
+            }
+            other => other.clone(),
+        })
+        .collect()
 }
 
 /// The patch that sets `status` on the object with `uid`, and on no other.
@@ -878,6 +928,59 @@ mod tests {
             .collect();
         // c's flip rides along with its report; the rest keep their order.
         assert_eq!(order, ["c:2", "e:1", "a:1", "b:1", "d:1"]);
+    }
+
+    #[tokio::test]
+    async fn reachability_gets_its_share_while_data_fills_the_budget() {
+        let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
+        let client = Client::try_from(config).unwrap();
+        let (devices, _writer) = kube::runtime::reflector::store::<Device>();
+        let events = Events::new(client.clone(), None, Default::default());
+        let writer = StatusWriter::new(
+            client,
+            devices,
+            NonZeroU32::new(50).unwrap(),
+            StatusMetrics::default(),
+            events,
+        );
+        let key = |n: String| ResourceKey::device("plant", n);
+        for n in ["r1", "r2"] {
+            writer.submit(key(n.into()), StatusChange::NodeReachable, None);
+        }
+        for n in 0..10 {
+            writer.submit(key(format!("d{n}")), report(1, 20.0, 1), None);
+        }
+        let order: Vec<String> = std::iter::from_fn(|| writer.next_write())
+            .map(|(k, _)| k.name)
+            .collect();
+        assert_eq!(
+            order,
+            [
+                "d0", "d1", "d2", "r1", "d3", "d4", "d5", "r2", "d6", "d7", "d8", "d9"
+            ]
+        );
+    }
+
+    #[test]
+    fn an_unreachable_node_whose_agent_is_back_is_written_reachable() {
+        let changes = [
+            StatusChange::NodeUnreachable {
+                node: "edge-1".into(),
+            },
+            StatusChange::NodeUnreachable {
+                node: "edge-2".into(),
+            },
+        ];
+        let now = reachability_now(&changes, |node| node == "edge-1");
+        assert_eq!(
+            now,
+            [
+                StatusChange::NodeReachable,
+                StatusChange::NodeUnreachable {
+                    node: "edge-2".into()
+                }
+            ]
+        );
     }
 
     #[test]
