@@ -102,6 +102,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         metrics_listener,
         registry,
         readiness.clone(),
+        edgefleet_shared::health::Health::default(),
     ));
 
     let heartbeat = std::time::Duration::try_from_secs_f64(args.heartbeat_seconds)

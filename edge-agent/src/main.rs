@@ -14,9 +14,13 @@ use edgefleet_agent::coap::{self, CoapMetrics};
 use edgefleet_agent::mqtt::{self, BrokerAddress, MqttMetrics};
 use edgefleet_agent::store::Store;
 use edgefleet_agent::sync::{self, SyncSettings};
+use edgefleet_shared::health::{Health, Probe};
 use edgefleet_shared::telemetry::{self, Readiness};
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
+
+/// How often the store's health probe writes and flushes.
+const STORE_PROBE_EVERY: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Parser)]
 #[command(name = "edgefleet-agent", version, about = "Edgefleet edge agent")]
@@ -177,6 +181,21 @@ async fn main() -> anyhow::Result<()> {
 
     let readiness = Readiness::default();
     readiness.set(true);
+    let health = Health::default();
+    // The store must make writes durable; a probe every few seconds that
+    // hangs shows as a stall.
+    let store_check = health.check("store", Probe::Live, Some(STORE_PROBE_EVERY * 6));
+    // An embedded broker that is gone takes a restart; an external one is
+    // somebody else's: the agent is then only not ready.
+    let mqtt_probe = match cli.mqtt_url {
+        Some(_) => Probe::Ready,
+        None => Probe::Live,
+    };
+    let mqtt_check = health.check("mqtt", mqtt_probe, None);
+    if mqtt_probe == Probe::Ready {
+        // Not ready before the first connection; alive all the same.
+        mqtt_check.failing("not connected to the site broker yet");
+    }
     let heartbeat = Duration::try_from_secs_f64(cli.cloud_heartbeat_seconds)
         .ok()
         .filter(|d| !d.is_zero())
@@ -197,13 +216,31 @@ async fn main() -> anyhow::Result<()> {
         heartbeat: edgefleet_shared::heartbeat::Heartbeat::every(heartbeat),
         silent_cloud,
         bytes: sync_bytes,
+        liveness: health.check(
+            "sync",
+            Probe::Live,
+            Some(sync::stall_limit(
+                edgefleet_shared::heartbeat::Heartbeat::every(heartbeat),
+            )),
+        ),
     };
     let gauges = {
         let store = store.clone();
         async move {
             let mut tick = tokio::time::interval(Duration::from_millis(500));
+            let mut probed = tokio::time::Instant::now();
             loop {
                 tick.tick().await;
+                if probed.elapsed() >= STORE_PROBE_EVERY {
+                    probed = tokio::time::Instant::now();
+                    match store.probe().await {
+                        Ok(()) => store_check.ok(),
+                        Err(error) => {
+                            tracing::error!(%error, "the store cannot make writes durable");
+                            store_check.failing(error);
+                        }
+                    }
+                }
                 outbox_depth.set(store.outbox_depth() as i64);
                 devices.set(store.device_count() as i64);
                 events_queued.set(store.events_queued() as i64);
@@ -223,9 +260,9 @@ async fn main() -> anyhow::Result<()> {
     };
     tokio::select! {
         served = coap::serve_with(coap_socket, store.clone(), coap_metrics, observe) => served.context("CoAP server")?,
-        served = telemetry::serve(metrics_listener, registry, readiness) => served.context("metrics server")?,
+        served = telemetry::serve(metrics_listener, registry, readiness, health) => served.context("metrics server")?,
         () = sync::run(settings, store.clone()) => {}
-        () = mqtt::run(broker, cli.node.clone(), store.clone(), mqtt_metrics) => {}
+        () = mqtt::run(broker, cli.node.clone(), store.clone(), mqtt_metrics, mqtt_check) => {}
         () = gauges => {}
         _ = shutdown_signal() => tracing::info!("shutting down"),
     }

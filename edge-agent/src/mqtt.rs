@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use edgefleet_shared::codec::{self, CodecError, DeviceEvent, DeviceReport, EventAck};
+use edgefleet_shared::health::Check;
 use edgefleet_shared::telemetry::Outcomes;
 use edgefleet_shared::{ResourceKey, topics};
 use prometheus_client::metrics::counter::Counter;
@@ -110,7 +111,14 @@ pub struct MqttMetrics {
 
 /// Connects to the broker and runs until the process ends: publishes every
 /// device's desired state (again after each reconnect) and stores reports.
-pub async fn run(broker: BrokerAddress, node: String, store: Store, metrics: Arc<MqttMetrics>) {
+/// `check` says whether the broker connection is up.
+pub async fn run(
+    broker: BrokerAddress,
+    node: String,
+    store: Store,
+    metrics: Arc<MqttMetrics>,
+    check: Check,
+) {
     let mut options = MqttOptions::new(
         format!("edgefleet-agent-{node}"),
         broker.host.clone(),
@@ -145,7 +153,7 @@ pub async fn run(broker: BrokerAddress, node: String, store: Store, metrics: Arc
         reports_rx,
         Arc::clone(&metrics),
     );
-    let events = drive(events, client, node, connected, reports_tx);
+    let events = drive(events, client, node, connected, reports_tx, check);
     tokio::join!(publisher, receiver, events);
 }
 
@@ -157,11 +165,13 @@ async fn drive(
     node: String,
     connected: Arc<Notify>,
     reports: mpsc::Sender<Publish>,
+    check: Check,
 ) {
     loop {
         match events.poll().await {
             Ok(Event::Incoming(Packet::ConnAck(_))) => {
                 tracing::info!(%node, "connected to the site broker");
+                check.ok();
                 // From a task: after an outage the request queue may be full
                 // of desired states, and only this loop drains it, so
                 // awaiting here would never end and try_subscribe would
@@ -185,6 +195,7 @@ async fn drive(
             }
             Ok(_) => {}
             Err(error) => {
+                check.failing(format!("site broker: {error}"));
                 tracing::warn!(%node, %error, "site broker connection lost; reconnecting");
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }

@@ -49,6 +49,8 @@ const META_NEXT_SEQ: &[u8] = b"next_seq";
 /// Sequence numbers below this are reserved: may have been handed out.
 const META_SEQ_RESERVED: &[u8] = b"seq_reserved";
 const META_STORE_ID: &[u8] = b"store_id";
+// Written by the health probe; read by nobody.
+const META_PROBE: &[u8] = b"probe";
 const META_DROPPED_TOTAL: &[u8] = b"events_dropped_total";
 const META_DROPPED_UNREPORTED: &[u8] = b"events_dropped_unreported";
 
@@ -881,6 +883,15 @@ impl Store {
                 .collect(),
             removed: removals.to_vec(),
         });
+        Ok(())
+    }
+
+    /// Writes and flushes a small value, to learn whether the store can
+    /// still make writes durable (for `/healthz`).
+    pub async fn probe(&self) -> Result<(), StoreError> {
+        let now = edgefleet_shared::now_unix_ms();
+        self.meta.insert(META_PROBE, &now.to_be_bytes())?;
+        self.flusher.flush().await?;
         Ok(())
     }
 

@@ -102,6 +102,7 @@ async fn desired_state_is_published_retained_and_reports_are_stored() {
         NODE.into(),
         store.clone(),
         Arc::clone(&metrics),
+        Default::default(),
     ));
 
     // Published on connect...

@@ -15,6 +15,7 @@
 
 pub mod api;
 pub mod codec;
+pub mod health;
 pub mod heartbeat;
 pub mod holdings;
 pub mod key;

@@ -1,6 +1,6 @@
 //! What every Edgefleet process serves for operators: `/metrics`
-//! (Prometheus text format), `/healthz` (the process runs) and `/readyz` (it
-//! does its job), and the log setup.
+//! (Prometheus text format), `/healthz` (the process works; see
+//! [`crate::health`]) and `/readyz` (it does its job), and the log setup.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -14,6 +14,8 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
+
+use crate::health::{Health, Probe};
 
 /// A counter per outcome, labelled `outcome` (`stored`, `malformed`, …):
 /// how Edgefleet counts what it did with each input, refusals included.
@@ -63,21 +65,26 @@ impl Readiness {
 struct Shared {
     registry: Arc<Registry>,
     readiness: Readiness,
+    health: Health,
 }
 
-/// Serves the operator endpoints on `listener` until the process ends.
+/// Serves the operator endpoints on `listener` until the process ends:
+/// `/healthz` answers from the live parts of `health`, `/readyz` from
+/// `readiness` and every part of `health`.
 pub async fn serve(
     listener: TcpListener,
     registry: Registry,
     readiness: Readiness,
+    health: Health,
 ) -> std::io::Result<()> {
     let shared = Shared {
         registry: Arc::new(registry),
         readiness,
+        health,
     };
     let app = Router::new()
         .route("/metrics", get(metrics))
-        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .with_state(shared);
     axum::serve(listener, app).await
@@ -102,11 +109,25 @@ async fn metrics(State(shared): State<Shared>) -> impl IntoResponse {
     }
 }
 
-async fn readyz(State(shared): State<Shared>) -> (StatusCode, &'static str) {
-    if shared.readiness.get() {
-        (StatusCode::OK, "ready\n")
-    } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+async fn healthz(State(shared): State<Shared>) -> (StatusCode, String) {
+    answer(shared.health.status(Probe::Live), "ok")
+}
+
+async fn readyz(State(shared): State<Shared>) -> (StatusCode, String) {
+    if !shared.readiness.get() {
+        return (StatusCode::SERVICE_UNAVAILABLE, "not ready\n".to_owned());
+    }
+    answer(shared.health.status(Probe::Ready), "ready")
+}
+
+/// 200 and `fine`, or 503 and one line per failing part.
+fn answer(status: Result<(), Vec<String>>, fine: &str) -> (StatusCode, String) {
+    match status {
+        Ok(()) => (StatusCode::OK, format!("{fine}\n")),
+        Err(failing) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            failing.iter().map(|f| format!("{f}\n")).collect(),
+        ),
     }
 }
 

@@ -10,10 +10,11 @@ use std::sync::Mutex;
 use anyhow::{Context, bail};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-/// Path of a workspace binary of the caller's build profile, built first if
-/// it is not there yet.
+/// Path of a workspace binary of the caller's build profile, brought up to
+/// date by cargo once per test process (a test run of one package alone
+/// would otherwise start another package's stale binary).
 pub fn binary(name: &str) -> PathBuf {
-    static BUILD: Mutex<()> = Mutex::new(());
+    static BUILT: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
     // Test binaries live in target/<profile>/deps, binaries (this one too,
     // when a binary calls) in target/<profile>.
     let exe = std::env::current_exe().expect("current exe");
@@ -22,16 +23,17 @@ pub fn binary(name: &str) -> PathBuf {
         dir = dir.parent().expect("target dir");
     }
     let path = dir.join(name);
-    let _guard = BUILD.lock().unwrap_or_else(|e| e.into_inner());
-    if !path.exists() {
+    let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
+    if !built.contains(name) {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let mut build = Command::new(cargo);
-        build.args(["build", "--bin", name]);
+        build.args(["build", "--quiet", "--workspace", "--bin", name]);
         if dir.ends_with("release") {
             build.arg("--release");
         }
         let status = build.status().expect("run cargo build");
         assert!(status.success(), "cargo build --bin {name} failed");
+        built.insert(name.to_owned());
     }
     path
 }

@@ -240,16 +240,35 @@ async fn a_restarted_mosquitto_loses_no_spec_and_the_last_reports_arrive() {
     })
     .await;
 
+    let endpoint = stack.agents[0].metrics;
+    let probe = |path: &'static str| async move {
+        edgefleet_tests::process::http_get(endpoint, path)
+            .await
+            .map(|(code, _)| code)
+            .ok()
+    };
+    assert_eq!(probe("/readyz").await, Some(200));
     for round in 1..=2u32 {
         change_specs(&devices, (0..DEVICES).step_by(4), round * 10).await;
         mosquitto.kill();
-        tokio::time::sleep(Duration::from_secs(1)).await;
+        // An external broker that is away makes the agent not ready, not
+        // unhealthy: restarting the agent would not bring it back.
+        eventually_within(
+            RECOVERY,
+            "the agent is not ready without its broker",
+            || async { (probe("/readyz").await == Some(503)).then_some(()) },
+        )
+        .await;
+        assert_eq!(probe("/healthz").await, Some(200));
         // Reaches the agent over gRPC while it has no broker.
         change_specs(&devices, (1..DEVICES).step_by(4), round * 10 + 1).await;
         tokio::time::sleep(Duration::from_secs(2)).await;
         mosquitto.restart();
         mosquitto.wait_listening().await;
-        tokio::time::sleep(Duration::from_secs(2)).await;
+        eventually_within(RECOVERY, "the agent is ready again", || async {
+            (probe("/readyz").await == Some(200)).then_some(())
+        })
+        .await;
         change_specs(&devices, (2..DEVICES).step_by(4), round * 10 + 2).await;
     }
 

@@ -84,6 +84,7 @@ fn start_agent(controller: &Controller, node: &str, store: &Store) -> tokio::tas
         heartbeat: Default::default(),
         silent_cloud: Default::default(),
         bytes: Default::default(),
+        liveness: Default::default(),
     };
     tokio::spawn(sync::run(settings, store.clone()))
 }

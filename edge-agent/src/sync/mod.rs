@@ -12,6 +12,7 @@
 use std::time::Duration;
 
 use backon::{BackoffBuilder, ExponentialBuilder};
+use edgefleet_shared::health::Check;
 use edgefleet_shared::heartbeat::{Heartbeat, PeerWatch};
 use edgefleet_shared::proto::{self, agent_message, cloud_message};
 use prometheus_client::metrics::counter::Counter;
@@ -28,6 +29,13 @@ pub use session::{Session, Step};
 
 /// Most outbox entries in one Uplink message.
 pub const UPLINK_BATCH: usize = 256;
+
+/// The longest the sync loop may go without turning: a connection attempt
+/// and the Hello (each bounded by the silence limit) and the longest
+/// backoff, with room to spare.
+pub fn stall_limit(heartbeat: Heartbeat) -> Duration {
+    heartbeat.silence_limit() * 2 + Duration::from_secs(30)
+}
 
 /// How often the agent sends a heartbeat by default.
 pub const HEARTBEAT_INTERVAL: Duration = Heartbeat::DEFAULT.interval;
@@ -50,6 +58,9 @@ pub struct SyncSettings {
     pub silent_cloud: Counter,
     /// Protobuf bytes of the messages sent and received, by message kind.
     pub bytes: MessageBytes,
+    /// Told whenever the sync loop turns (between attempts, at every
+    /// heartbeat), so a loop that hangs shows on `/healthz`.
+    pub liveness: Check,
 }
 
 /// Protobuf bytes on the sync stream by direction and message kind
@@ -156,6 +167,7 @@ pub async fn run(settings: SyncSettings, store: Store) {
     };
     let mut delays = backoff();
     loop {
+        settings.liveness.alive();
         let mut opened = false;
         match session(&settings, &store, &mut opened).await {
             Ok(()) => tracing::info!(cloud = %settings.cloud, "cloud closed the sync stream"),
@@ -166,6 +178,7 @@ pub async fn run(settings: SyncSettings, store: Store) {
             delays = backoff();
         }
         let delay = delays.next().unwrap_or(Duration::from_secs(15));
+        settings.liveness.alive();
         tokio::time::sleep(delay).await;
     }
 }
@@ -288,6 +301,7 @@ async fn talk(
             }
             _ = store.outbox_grew() => {}
             _ = heartbeat.tick() => {
+                settings.liveness.alive();
                 let beat = proto::Heartbeat {
                     sent_at_ms: edgefleet_shared::now_unix_ms(),
                     outbox_depth: store.outbox_depth() as u64,
