@@ -8,7 +8,9 @@
 //! so a device whose report was lost with the agent sends it again. An event
 //! is acknowledged the same way and, once durable, confirmed to the device on
 //! its `event-ack` topic: the device resends it until that confirmation
-//! arrives, and the agent stores each event id once.
+//! arrives, and the agent stores each event id once. Whatever arrived
+//! together is written in arrival order and made durable by one flush
+//! (group commit), then acknowledged in that order.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -23,7 +25,7 @@ use prometheus_client::metrics::counter::Counter;
 use rumqttc::{AsyncClient, Event, EventLoop, MqttOptions, Packet, Publish, QoS};
 use tokio::sync::{Notify, broadcast, mpsc};
 
-use crate::store::{EventOutcome, Store, StoreError};
+use crate::store::{Batch, EventOutcome, Store, StoreError};
 
 /// The largest payload the embedded broker forwards. Reports over the device
 /// wire format's limit still get through, so the agent can refuse and count
@@ -109,6 +111,16 @@ pub struct MqttMetrics {
     pub desired_cleared: Counter,
 }
 
+/// Reports and events written by one flush at most (group commit): a
+/// reconnect's backlog of thousands costs a few flushes, not thousands.
+pub const MAX_BATCH: usize = 512;
+
+/// QoS 0 messages waiting to be stored beyond which further QoS 0 messages
+/// are dropped. QoS 1 messages are never dropped: the broker sends no more
+/// of them than its in-flight window before the agent acknowledges, and the
+/// agent acknowledges only what is durable, so the broker bounds them.
+const MAX_QUEUED_QOS0: usize = 10_000;
+
 /// Connects to the broker and runs until the process ends: publishes every
 /// device's desired state (again after each reconnect) and stores reports.
 /// `check` says whether the broker connection is up.
@@ -118,6 +130,19 @@ pub async fn run(
     store: Store,
     metrics: Arc<MqttMetrics>,
     check: Check,
+) {
+    run_with_batch(broker, node, store, metrics, check, MAX_BATCH).await
+}
+
+/// [`run`], storing at most `max_batch` messages per flush (1: one flush
+/// per message, the baseline the ingest benchmark compares against).
+pub async fn run_with_batch(
+    broker: BrokerAddress,
+    node: String,
+    store: Store,
+    metrics: Arc<MqttMetrics>,
+    check: Check,
+    max_batch: usize,
 ) {
     let mut options = MqttOptions::new(
         format!("edgefleet-agent-{node}"),
@@ -137,7 +162,8 @@ pub async fn run(
         .set_request_channel_capacity(1024);
     let (client, events) = AsyncClient::new(options, 1024);
     let connected = Arc::new(Notify::new());
-    let (reports_tx, reports_rx) = mpsc::channel(1024);
+    let incoming = Incoming::default();
+    let (incoming_tx, incoming_rx) = mpsc::unbounded_channel();
 
     let publisher = publish_desired(
         client.clone(),
@@ -146,27 +172,49 @@ pub async fn run(
         Arc::clone(&connected),
         Arc::clone(&metrics),
     );
-    let receiver = store_reports(
+    let receiver = store_incoming(
         client.clone(),
         node.clone(),
         store,
-        reports_rx,
+        (incoming_rx, incoming.clone()),
         Arc::clone(&metrics),
+        max_batch.max(1),
     );
-    let events = drive(events, client, node, connected, reports_tx, check);
+    let events = drive(
+        events,
+        client,
+        node,
+        connected,
+        (incoming_tx, incoming),
+        check,
+        metrics,
+    );
     tokio::join!(publisher, receiver, events);
 }
 
-/// Polls the connection; hands reports to [`store_reports`] and tells the
-/// publisher about every (re)connect.
+/// How many QoS 0 messages wait in the queue to the storing task.
+#[derive(Clone, Debug, Default)]
+struct Incoming {
+    qos0: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+/// Polls the connection; hands reports and events to [`store_incoming`]
+/// and tells the publisher about every (re)connect.
+///
+/// It never waits for anything but the connection: the client's request
+/// queue (desired states, acknowledgements) is drained only here, so a
+/// wait on the storing task, which itself waits on that queue to
+/// acknowledge, would stop both for good.
 async fn drive(
     mut events: EventLoop,
     client: AsyncClient,
     node: String,
     connected: Arc<Notify>,
-    reports: mpsc::Sender<Publish>,
+    (queue, incoming): (mpsc::UnboundedSender<Publish>, Incoming),
     check: Check,
+    metrics: Arc<MqttMetrics>,
 ) {
+    use std::sync::atomic::Ordering;
     loop {
         match events.poll().await {
             Ok(Event::Incoming(Packet::ConnAck(_))) => {
@@ -189,7 +237,14 @@ async fn drive(
                 connected.notify_one();
             }
             Ok(Event::Incoming(Packet::Publish(publish))) => {
-                if reports.send(publish).await.is_err() {
+                if publish.qos == QoS::AtMostOnce {
+                    if incoming.qos0.load(Ordering::Relaxed) >= MAX_QUEUED_QOS0 {
+                        metrics.reports.inc("dropped_qos0_overload");
+                        continue;
+                    }
+                    incoming.qos0.fetch_add(1, Ordering::Relaxed);
+                }
+                if queue.send(publish).is_err() {
                     return;
                 }
             }
@@ -203,19 +258,47 @@ async fn drive(
     }
 }
 
-/// Stores reports and events one at a time, in arrival order, and
-/// acknowledges each once it is durable.
-async fn store_reports(
+/// Stores reports and events in arrival order, as many as are waiting (up
+/// to `max_batch`) per flush, and acknowledges them in that order once the
+/// flush is done.
+async fn store_incoming(
     client: AsyncClient,
     node: String,
     store: Store,
-    mut reports: mpsc::Receiver<Publish>,
+    (mut queue, incoming): (mpsc::UnboundedReceiver<Publish>, Incoming),
     metrics: Arc<MqttMetrics>,
+    max_batch: usize,
 ) {
-    while let Some(publish) = reports.recv().await {
-        if let Some((key, topics::Uplink::Event)) = topics::parse_uplink(&node, &publish.topic) {
-            let outcome = match store_event(&store, &key, &publish).await {
-                Ok((outcome, highest)) => {
+    use std::sync::atomic::Ordering;
+    let mut waiting = Vec::with_capacity(max_batch);
+    while queue.recv_many(&mut waiting, max_batch).await > 0 {
+        let qos0 = waiting.iter().filter(|p| p.qos == QoS::AtMostOnce).count();
+        incoming.qos0.fetch_sub(qos0, Ordering::Relaxed);
+
+        let mut batch = store.batch();
+        let written: Vec<(Publish, Result<Stored, Refusal>)> = waiting
+            .drain(..)
+            .map(|publish| {
+                let written = write(&node, &store, &mut batch, &publish);
+                (publish, written)
+            })
+            .collect();
+        if let Err(error) = batch.commit().await {
+            // Nothing is acknowledged: the broker sends it all again.
+            tracing::error!(%error, messages = written.len(), "could not make reports and events durable");
+            for (publish, _) in &written {
+                outcomes(&node, &metrics, publish).inc("store_error");
+            }
+            continue;
+        }
+        for (publish, written) in written {
+            let label = match written {
+                Ok(Stored::Report) => "stored",
+                Ok(Stored::Event {
+                    key,
+                    outcome,
+                    highest,
+                }) => {
                     tracing::debug!(device = %key, outcome, highest, "event from MQTT");
                     let ack = codec::encode(&EventAck { id: highest }).expect("an ack encodes");
                     let topic = topics::event_ack(&node, &key);
@@ -225,36 +308,62 @@ async fn store_reports(
                     outcome
                 }
                 Err(Refusal::Store(error)) => {
-                    tracing::error!(device = %key, %error, "could not store an event");
-                    metrics.events.inc("store_error");
+                    // Not acknowledged: the device sends it again.
+                    tracing::error!(topic = %publish.topic, %error, "could not store a message");
+                    outcomes(&node, &metrics, &publish).inc("store_error");
                     continue;
                 }
-                Err(refusal) => refusal.label(),
+                Err(refusal) => {
+                    tracing::debug!(topic = %publish.topic, ?refusal, "message refused");
+                    refusal.label()
+                }
             };
-            metrics.events.inc(outcome);
+            outcomes(&node, &metrics, &publish).inc(label);
+            // A refused message is acknowledged too: resending it cannot
+            // help.
             if let Err(error) = client.ack(&publish).await {
-                tracing::warn!(%error, "could not acknowledge an event");
+                tracing::warn!(%error, "could not acknowledge a message");
             }
-            continue;
         }
-        let outcome = match store_report(&node, &store, &publish).await {
-            Ok(()) => "stored",
-            Err(Refusal::Store(error)) => {
-                // Not acknowledged: the device sends it again.
-                tracing::error!(topic = %publish.topic, %error, "could not store a report");
-                metrics.reports.inc("store_error");
-                continue;
-            }
-            Err(refusal) => {
-                tracing::debug!(topic = %publish.topic, ?refusal, "report refused");
-                refusal.label()
-            }
-        };
-        metrics.reports.inc(outcome);
-        // A refused report is acknowledged too: resending it cannot help.
-        if let Err(error) = client.ack(&publish).await {
-            tracing::warn!(%error, "could not acknowledge a report");
-        }
+    }
+}
+
+/// What a message became, once its batch is durable.
+#[derive(Debug)]
+enum Stored {
+    Report,
+    Event {
+        key: ResourceKey,
+        /// `stored`, `stored_dropped_oldest` or `duplicate`.
+        outcome: &'static str,
+        /// The highest event id the device has stored.
+        highest: u64,
+    },
+}
+
+/// Writes one message into `batch`.
+fn write(
+    node: &str,
+    store: &Store,
+    batch: &mut Batch<'_>,
+    publish: &Publish,
+) -> Result<Stored, Refusal> {
+    if let Some((key, topics::Uplink::Event)) = topics::parse_uplink(node, &publish.topic) {
+        let (outcome, highest) = write_event(store, batch, &key, publish)?;
+        return Ok(Stored::Event {
+            key,
+            outcome,
+            highest,
+        });
+    }
+    write_report(node, store, batch, publish).map(|()| Stored::Report)
+}
+
+/// The counters a message counts in: events' or reports'.
+fn outcomes<'m>(node: &str, metrics: &'m MqttMetrics, publish: &Publish) -> &'m Outcomes {
+    match topics::parse_uplink(node, &publish.topic) {
+        Some((_, topics::Uplink::Event)) => &metrics.events,
+        _ => &metrics.reports,
     }
 }
 
@@ -277,10 +386,11 @@ impl Refusal {
     }
 }
 
-/// Stores one event; returns the outcome label and the highest event id
+/// Writes one event; returns the outcome label and the highest event id
 /// the device has stored.
-async fn store_event(
+fn write_event(
     store: &Store,
+    batch: &mut Batch<'_>,
     key: &ResourceKey,
     publish: &Publish,
 ) -> Result<(&'static str, u64), Refusal> {
@@ -289,9 +399,8 @@ async fn store_event(
         return Err(Refusal::UnknownDevice);
     }
     let id = event.id;
-    match store
-        .record_event(key, event, edgefleet_shared::now_unix_ms())
-        .await
+    match batch
+        .event(key, event, edgefleet_shared::now_unix_ms())
         .map_err(Refusal::Store)?
     {
         EventOutcome::Stored {
@@ -303,15 +412,19 @@ async fn store_event(
     }
 }
 
-async fn store_report(node: &str, store: &Store, publish: &Publish) -> Result<(), Refusal> {
+fn write_report(
+    node: &str,
+    store: &Store,
+    batch: &mut Batch<'_>,
+    publish: &Publish,
+) -> Result<(), Refusal> {
     let key = topics::parse_report(node, &publish.topic).ok_or(Refusal::NotAReport)?;
     let report: DeviceReport = codec::decode(&publish.payload).map_err(Refusal::Codec)?;
     if store.desired(&key).map_err(Refusal::Store)?.is_none() {
         return Err(Refusal::UnknownDevice);
     }
-    store
-        .record_report(&key, report, edgefleet_shared::now_unix_ms())
-        .await
+    batch
+        .report(&key, report, edgefleet_shared::now_unix_ms())
         .map(drop)
         .map_err(Refusal::Store)
 }

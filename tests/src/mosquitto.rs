@@ -22,12 +22,17 @@ impl Mosquitto {
     /// restart forgets retained messages and sessions, so the agent must
     /// publish desired state again.
     pub fn start(dir: &Path) -> Mosquitto {
+        Mosquitto::start_with(dir, "")
+    }
+
+    /// [`Mosquitto::start`] with more lines of configuration.
+    pub fn start_with(dir: &Path, extra_conf: &str) -> Mosquitto {
         let addr = free_tcp_addr();
         let conf = dir.join("mosquitto.conf");
         std::fs::write(
             &conf,
             format!(
-                "listener {} {}\nallow_anonymous true\npersistence false\n",
+                "listener {} {}\nallow_anonymous true\npersistence false\n{extra_conf}",
                 addr.port(),
                 addr.ip()
             ),
