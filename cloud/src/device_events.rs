@@ -16,6 +16,7 @@
 //! Creates are paced by their own rate limit (`--device-events-per-second`)
 //! and retried with backoff while the API server fails.
 
+use std::collections::BTreeMap;
 use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::Duration;
@@ -41,6 +42,10 @@ pub const CONTROLLER: &str = "edgefleet.io/edge-agent";
 /// The annotation carrying the device's own event id.
 pub const EVENT_ID_ANNOTATION: &str = "edgefleet.io/device-event-id";
 
+/// The annotation with the device's boot epoch of the event, when the
+/// device sends one (ids count from 1 in every boot).
+pub const EVENT_BOOT_ANNOTATION: &str = "edgefleet.io/device-boot";
+
 /// Creates on their way at once.
 pub const CONCURRENT_CREATES: usize = 4;
 
@@ -56,8 +61,10 @@ pub struct DeviceEvent {
     pub uid: String,
     /// The node whose agent stored it.
     pub node: String,
-    /// The device's own id of the event.
+    /// The device's own id of the event, within `boot`.
     pub id: u64,
+    /// The device's boot epoch (0: the device sends none).
+    pub boot: u64,
     /// Warning rather than Normal.
     pub warning: bool,
     /// CamelCase reason.
@@ -228,18 +235,25 @@ impl DeviceEvents {
 /// Pure, so naming is tested without an API server.
 pub fn device_event(event: &DeviceEvent) -> (String, Event) {
     let uid8: String = event.uid.chars().filter(|c| *c != '-').take(8).collect();
-    let name = format!("{}.{uid8}.{}", short(&event.device.name), event.id);
+    // Ids start again in every boot: a boot epoch is part of the name.
+    let boot = match event.boot {
+        0 => String::new(),
+        boot => format!("{boot:016x}."),
+    };
+    let name = format!("{}.{uid8}.{boot}{}", short(&event.device.name), event.id);
+    let mut annotations: BTreeMap<String, String> = [
+        (EVENT_ID_ANNOTATION.to_owned(), event.id.to_string()),
+        ("edgefleet.io/node".to_owned(), event.node.clone()),
+    ]
+    .into();
+    if event.boot != 0 {
+        annotations.insert(EVENT_BOOT_ANNOTATION.to_owned(), event.boot.to_string());
+    }
     let object = Event {
         metadata: ObjectMeta {
             name: Some(name),
             namespace: Some(event.device.namespace.clone()),
-            annotations: Some(
-                [
-                    (EVENT_ID_ANNOTATION.to_owned(), event.id.to_string()),
-                    ("edgefleet.io/node".to_owned(), event.node.clone()),
-                ]
-                .into(),
-            ),
+            annotations: Some(annotations),
             ..ObjectMeta::default()
         },
         event_time: Some(micro_time(event.at_ms)),
@@ -316,6 +330,7 @@ mod tests {
             uid: "6f0c1e2a-0000-4000-8000-000000000001".into(),
             node: "edge-1".into(),
             id,
+            boot: 0,
             warning: false,
             reason: "FirmwareInstalled".into(),
             message: "firmware 2.0.0 installed".into(),
@@ -344,6 +359,26 @@ mod tests {
         assert_ne!(
             device_event(&recreated).1.metadata.name,
             object.metadata.name
+        );
+        // A device that rebooted counts from 1 again under a new epoch:
+        // the same id in another boot is another event.
+        let rebooted = |boot| DeviceEvent { boot, ..event(7) };
+        let after_reboot = device_event(&rebooted(0x2a)).1.metadata;
+        assert_eq!(
+            after_reboot.name.as_deref(),
+            Some("t1.6f0c1e2a.000000000000002a.7")
+        );
+        assert_ne!(
+            after_reboot.name,
+            device_event(&rebooted(0x2b)).1.metadata.name
+        );
+        assert_eq!(
+            after_reboot
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(EVENT_BOOT_ANNOTATION))
+                .map(String::as_str),
+            Some("42")
         );
         assert_eq!(object.type_.as_deref(), Some("Normal"));
         assert_eq!(object.reason.as_deref(), Some("FirmwareInstalled"));

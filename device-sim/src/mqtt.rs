@@ -56,8 +56,9 @@ impl Inbox {
 pub enum Route {
     /// A device's desired topic: to its inbox.
     Desired(watch::Sender<Option<Inbox>>),
-    /// A device's event-ack topic: the highest event id the agent confirmed.
-    EventAck(watch::Sender<u64>),
+    /// A device's event-ack topic: the latest confirmation (the highest
+    /// event id the agent holds in a boot).
+    EventAck(watch::Sender<EventAck>),
 }
 
 /// Where the session delivers each topic it subscribes to.
@@ -119,9 +120,11 @@ pub async fn drive(
                     Some(Route::EventAck(acks)) => {
                         match codec::decode::<EventAck>(&publish.payload) {
                             Ok(ack) => {
-                                acks.send_if_modified(|highest| {
-                                    let newer = ack.id > *highest;
-                                    *highest = (*highest).max(ack.id);
+                                acks.send_if_modified(|latest| {
+                                    let newer = ack.boot != latest.boot || ack.id > latest.id;
+                                    if newer {
+                                        *latest = ack;
+                                    }
                                     newer
                                 });
                             }

@@ -35,7 +35,7 @@ use crate::applied_log::{AppliedEntry, AppliedLog};
 use crate::coap::{CoapClient, ExchangeError, Request};
 use crate::config::{NodeEndpoint, RunConfig};
 use crate::device::{Applied, Purpose, SimDevice, device_rng};
-use crate::events::EventQueue;
+use crate::events::{EventId, EventQueue};
 use crate::fleet::DeviceSlot;
 use crate::model::SimRng;
 use crate::mqtt::{self, Inbox, Route, Routes};
@@ -48,7 +48,7 @@ type InFlight = Pin<Box<dyn Future<Output = bool> + Send>>;
 
 /// An event on its way; resolves with the highest event id the agent
 /// confirmed, or `None` if it did not answer.
-type EventFlight = Pin<Box<dyn Future<Output = Option<u64>> + Send>>;
+type EventFlight = Pin<Box<dyn Future<Output = Option<EventAck>> + Send>>;
 
 /// How long a device waits for the agent's confirmation of an MQTT event
 /// before sending it again, and after a failed attempt over CoAP.
@@ -68,12 +68,19 @@ const STOP_GRACE: Duration = Duration::from_secs(5);
 struct FinalState {
     device: String,
     report: Option<DeviceReport>,
-    /// Every event id the device raised.
-    events: Vec<u64>,
+    /// Every event the device raised, as (boot epoch, id).
+    events: Vec<EventId>,
     /// Those the agent had not confirmed when the simulation stopped.
-    unconfirmed_events: Vec<u64>,
+    unconfirmed_events: Vec<EventId>,
     /// Those given up unconfirmed because the device's Device was deleted.
-    abandoned_events: Vec<u64>,
+    abandoned_events: Vec<EventId>,
+}
+
+/// A boot epoch for a device that boots now: random, so it differs from
+/// the device's earlier boots (also those of an earlier run of the
+/// simulator, whose ids count from 1 as well). Never 0, which means none.
+fn new_boot() -> u64 {
+    rand::random::<u64>().max(1)
 }
 
 /// Runs the simulation until `shutdown` resolves, then stops every device
@@ -243,7 +250,7 @@ impl NodeContext<'_> {
             let key = ResourceKey::device(&self.config.namespace, &slot.name);
             let (inbox_tx, inbox) = watch::channel(None);
             routes.insert(topics::desired(node, &key), Route::Desired(inbox_tx));
-            let (acks_tx, acks) = watch::channel(0);
+            let (acks_tx, acks) = watch::channel(EventAck::default());
             if slot.transport == Transport::Mqtt {
                 routes.insert(topics::event_ack(node, &key), Route::EventAck(acks_tx));
             }
@@ -270,7 +277,7 @@ impl NodeContext<'_> {
                 reporter,
                 report_interval: self.config.report_interval,
                 event_every: self.config.event_every,
-                events: EventQueue::default(),
+                events: EventQueue::new(new_boot()),
                 start: self.start,
                 stats: Arc::clone(self.stats),
                 applied_log: self.applied_log.cloned(),
@@ -307,7 +314,7 @@ enum Reporter {
         client: AsyncClient,
         topic: String,
         event_topic: String,
-        acks: watch::Receiver<u64>,
+        acks: watch::Receiver<EventAck>,
     },
 }
 
@@ -378,7 +385,7 @@ impl Reporter {
                 panic!("event {event:?} does not encode: {e}");
             }
         };
-        let id = event.id;
+        let (id, boot) = (event.id, event.boot);
         match self {
             Reporter::Coap {
                 client,
@@ -396,9 +403,7 @@ impl Reporter {
                     };
                     match exchange.result {
                         Ok(response) if response.is_success() => {
-                            codec::decode::<EventAck>(&response.payload)
-                                .ok()
-                                .map(|a| a.id)
+                            codec::decode::<EventAck>(&response.payload).ok()
                         }
                         Ok(response) => {
                             tracing::debug!(path = ?request.path, code = %response.code, "event refused");
@@ -423,10 +428,13 @@ impl Reporter {
                         tracing::debug!(%topic, error = %e, "event publish failed");
                         return None;
                     }
-                    let confirmed =
-                        tokio::time::timeout(EVENT_RETRY, acks.wait_for(|h| *h >= id)).await;
+                    let confirmed = tokio::time::timeout(
+                        EVENT_RETRY,
+                        acks.wait_for(|a| a.boot == boot && a.id >= id),
+                    )
+                    .await;
                     match confirmed {
-                        Ok(Ok(highest)) => Some(*highest),
+                        Ok(Ok(ack)) => Some(ack.clone()),
                         _ => None,
                     }
                 })
@@ -447,8 +455,8 @@ enum Wake {
     InstallDue,
     /// The report in flight finished (acknowledged or not).
     ReportDone(bool),
-    /// The event in flight finished: the highest id confirmed, if any.
-    EventDone(Option<u64>),
+    /// The event in flight finished: the confirmation, if any.
+    EventDone(Option<EventAck>),
     /// Time to try the unconfirmed events again.
     EventRetry,
 }
@@ -519,7 +527,7 @@ impl DeviceTask {
                     let drain = async {
                         while let Some(event) = self.events.next() {
                             match self.reporter.send_event(event, &mut self.net_rng).await {
-                                Some(highest) => self.events.confirmed(highest),
+                                Some(ack) => self.events.confirmed(&ack),
                                 None => tokio::time::sleep(Duration::from_millis(200)).await,
                             }
                         }
@@ -566,7 +574,7 @@ impl DeviceTask {
                 Wake::EventDone(confirmed) => {
                     event_in_flight = None;
                     match confirmed {
-                        Some(highest) => self.events.confirmed(highest),
+                        Some(ack) => self.events.confirmed(&ack),
                         None => event_retry_at = Some(Instant::now() + EVENT_RETRY),
                     }
                 }
@@ -585,6 +593,9 @@ impl DeviceTask {
             }
             if self.device.firmware_version() != firmware {
                 firmware = self.device.firmware_version().to_owned();
+                // A firmware install reboots the device, which keeps no
+                // event counter: a new epoch, ids from 1.
+                self.events.reboot(new_boot());
                 self.events.raise(
                     false,
                     "FirmwareInstalled",

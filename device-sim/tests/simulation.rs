@@ -99,7 +99,11 @@ async fn start_coap_responder() -> (
                 // Events are confirmed like the agent does; only reports are
                 // handed to the test.
                 let event: DeviceEvent = codec::decode(&request.payload).expect("a CBOR event");
-                ack.payload = codec::encode(&EventAck { id: event.id }).unwrap();
+                ack.payload = codec::encode(&EventAck {
+                    id: event.id,
+                    boot: event.boot,
+                })
+                .unwrap();
             } else {
                 let report = codec::decode(&request.payload).expect("a CBOR DeviceReport");
                 let _ = tx.send((path, report));

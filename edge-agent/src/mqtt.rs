@@ -294,13 +294,9 @@ async fn store_incoming(
         for (publish, written) in written {
             let label = match written {
                 Ok(Stored::Report) => "stored",
-                Ok(Stored::Event {
-                    key,
-                    outcome,
-                    highest,
-                }) => {
-                    tracing::debug!(device = %key, outcome, highest, "event from MQTT");
-                    let ack = codec::encode(&EventAck { id: highest }).expect("an ack encodes");
+                Ok(Stored::Event { key, outcome, ack }) => {
+                    tracing::debug!(device = %key, outcome, highest = ack.id, boot = ack.boot, "event from MQTT");
+                    let ack = codec::encode(&ack).expect("an ack encodes");
                     let topic = topics::event_ack(&node, &key);
                     if let Err(error) = client.publish(topic, QoS::AtLeastOnce, false, ack).await {
                         tracing::warn!(device = %key, %error, "could not confirm an event");
@@ -336,8 +332,9 @@ enum Stored {
         key: ResourceKey,
         /// `stored`, `stored_dropped_oldest` or `duplicate`.
         outcome: &'static str,
-        /// The highest event id the device has stored.
-        highest: u64,
+        /// What the device is told: the highest event id stored in the
+        /// event's boot.
+        ack: EventAck,
     },
 }
 
@@ -349,12 +346,8 @@ fn write(
     publish: &Publish,
 ) -> Result<Stored, Refusal> {
     if let Some((key, topics::Uplink::Event)) = topics::parse_uplink(node, &publish.topic) {
-        let (outcome, highest) = write_event(store, batch, &key, publish)?;
-        return Ok(Stored::Event {
-            key,
-            outcome,
-            highest,
-        });
+        let (outcome, ack) = write_event(store, batch, &key, publish)?;
+        return Ok(Stored::Event { key, outcome, ack });
     }
     write_report(node, store, batch, publish).map(|()| Stored::Report)
 }
@@ -386,30 +379,31 @@ impl Refusal {
     }
 }
 
-/// Writes one event; returns the outcome label and the highest event id
-/// the device has stored.
+/// Writes one event; returns the outcome label and the acknowledgement for
+/// the device (once the batch is durable).
 fn write_event(
     store: &Store,
     batch: &mut Batch<'_>,
     key: &ResourceKey,
     publish: &Publish,
-) -> Result<(&'static str, u64), Refusal> {
+) -> Result<(&'static str, EventAck), Refusal> {
     let event: DeviceEvent = codec::decode(&publish.payload).map_err(Refusal::Codec)?;
     if store.desired(key).map_err(Refusal::Store)?.is_none() {
         return Err(Refusal::UnknownDevice);
     }
-    let id = event.id;
-    match batch
+    let (id, boot) = (event.id, event.boot);
+    let (outcome, id) = match batch
         .event(key, event, edgefleet_shared::now_unix_ms())
         .map_err(Refusal::Store)?
     {
         EventOutcome::Stored {
             dropped_oldest: false,
             ..
-        } => Ok(("stored", id)),
-        EventOutcome::Stored { .. } => Ok(("stored_dropped_oldest", id)),
-        EventOutcome::Duplicate { highest } => Ok(("duplicate", highest)),
-    }
+        } => ("stored", id),
+        EventOutcome::Stored { .. } => ("stored_dropped_oldest", id),
+        EventOutcome::Duplicate { highest } => ("duplicate", highest),
+    };
+    Ok((outcome, EventAck { id, boot }))
 }
 
 fn write_report(

@@ -1,6 +1,7 @@
 //! The agent's durable state, in sled: what the cloud wants (desired), what
 //! devices last said (reported), what must still go up (outbox), the highest
-//! event id each device sent (event_ids), and meta.
+//! event id each device sent in each of its recent boots (event_ids), and
+//! meta.
 //!
 //! The outbox is bounded: reports are compacted to the latest per device,
 //! and events are kept in order up to a bound; at the bound the oldest event
@@ -150,6 +151,60 @@ pub struct StoredEvent {
     pub uid: String,
     /// What the device said.
     pub event: DeviceEvent,
+}
+
+/// How many boots of a device the store remembers the highest event id of.
+/// A resend can only come from a boot before the current one if the device
+/// kept the event across the reboot; a device that reboots four times
+/// before such a resend arrives has it stored twice.
+pub const BOOTS_REMEMBERED: usize = 4;
+
+/// A device's highest stored event id in each of its last boots (see
+/// [`DeviceEvent::boot`]), the latest boot last. On disk: 16 bytes per boot
+/// (epoch, highest id; big-endian); a store from before boot epochs holds 8
+/// bytes, the highest id of boot 0.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct EventIds(Vec<(u64, u64)>);
+
+impl EventIds {
+    fn decode(v: &[u8]) -> Option<Self> {
+        if v.len() == 8 {
+            return Some(EventIds(vec![(0, u64_from(v))]));
+        }
+        if !v.len().is_multiple_of(16) {
+            return None;
+        }
+        Some(EventIds(
+            v.chunks_exact(16)
+                .map(|c| (u64_from(&c[..8]), u64_from(&c[8..])))
+                .collect(),
+        ))
+    }
+
+    fn encode(&self) -> Vec<u8> {
+        self.0
+            .iter()
+            .flat_map(|(boot, id)| boot.to_be_bytes().into_iter().chain(id.to_be_bytes()))
+            .collect()
+    }
+
+    /// The highest id stored in `boot` (0: none).
+    fn highest(&self, boot: u64) -> u64 {
+        self.0
+            .iter()
+            .find(|(b, _)| *b == boot)
+            .map_or(0, |(_, id)| *id)
+    }
+
+    /// `id` of `boot` is stored: `boot` becomes the latest, and the oldest
+    /// boot is forgotten beyond [`BOOTS_REMEMBERED`].
+    fn record(&mut self, boot: u64, id: u64) {
+        self.0.retain(|(b, _)| *b != boot);
+        self.0.push((boot, id));
+        if self.0.len() > BOOTS_REMEMBERED {
+            self.0.remove(0);
+        }
+    }
 }
 
 /// Events dropped at the bound, not yet reported to the cloud.
@@ -470,7 +525,7 @@ struct Rescued {
     /// Outbox entries in order, with what they carry.
     entries: Vec<PendingUplink>,
     /// The highest event id per device.
-    event_ids: Vec<(sled::IVec, u64)>,
+    event_ids: Vec<(sled::IVec, EventIds)>,
     lost: Vec<String>,
 }
 
@@ -511,12 +566,14 @@ impl Rescued {
             Ok(ids) => {
                 for item in ids.iter() {
                     match item {
-                        Ok((k, v)) if v.len() == 8 => rescued.event_ids.push((k, u64_from(&v))),
-                        Ok((k, v)) => rescued.lost.push(format!(
-                            "the highest event id of {}: {} bytes, not 8",
-                            String::from_utf8_lossy(&k),
-                            v.len()
-                        )),
+                        Ok((k, v)) => match EventIds::decode(&v) {
+                            Some(ids) => rescued.event_ids.push((k, ids)),
+                            None => rescued.lost.push(format!(
+                                "the highest event ids of {}: {} bytes",
+                                String::from_utf8_lossy(&k),
+                                v.len()
+                            )),
+                        },
                         Err(e) => {
                             rescued.lost.push(format!("the rest of the event ids: {e}"));
                             break;
@@ -795,7 +852,7 @@ impl Store {
                     last = seq;
                 }
                 for (device, highest) in &event_ids {
-                    ids.insert(device, &highest.to_be_bytes())?;
+                    ids.insert(device, highest.encode())?;
                 }
                 Ok(last)
             },
@@ -1123,11 +1180,14 @@ impl Store {
         let uid = self.held_uid(device)?;
         let outcome = {
             let mut outbox_state = self.lock_outbox();
-            let highest = self
-                .event_ids
-                .get(key.as_bytes())?
-                .map(|v| u64_from(&v))
-                .unwrap_or(0);
+            let mut ids = match self.event_ids.get(key.as_bytes())? {
+                Some(v) => EventIds::decode(&v).ok_or_else(|| StoreError::Corrupt {
+                    key: format!("the highest event ids of {key}"),
+                    reason: format!("{} bytes", v.len()),
+                })?,
+                None => EventIds::default(),
+            };
+            let highest = ids.highest(event.boot);
             if event.id <= highest {
                 EventOutcome::Duplicate { highest }
             } else {
@@ -1144,11 +1204,13 @@ impl Store {
                 }));
                 let bound = self.max_events;
                 let reserved = self.reserve_seqs(&mut outbox_state, 1)?;
+                ids.record(event.boot, event.id);
+                let ids = ids.encode();
                 let result = (&self.outbox, &self.event_ids, &self.meta).transaction(
                     |(outbox, event_ids, meta)| {
                         let seq = take_seq(meta, reserved)?;
                         outbox.insert(&seq.to_be_bytes(), entry.clone())?;
-                        event_ids.insert(key.as_bytes(), &event.id.to_be_bytes())?;
+                        event_ids.insert(key.as_bytes(), ids.as_slice())?;
                         if let Some(victim) = victim {
                             outbox.remove(&victim.to_be_bytes())?;
                             let total = meta

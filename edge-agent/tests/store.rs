@@ -7,7 +7,8 @@
 use std::collections::BTreeMap;
 
 use edgefleet_agent::store::{
-    DesiredDevice, Dropped, EventOutcome, PendingUplink, SEQ_BLOCK, Store, StoreError,
+    BOOTS_REMEMBERED, DesiredDevice, Dropped, EventOutcome, PendingUplink, SEQ_BLOCK, Store,
+    StoreError,
 };
 use edgefleet_shared::api::Transport;
 use edgefleet_shared::codec::{DeviceEvent, DeviceReport};
@@ -210,8 +211,13 @@ async fn concurrent_reports_all_become_durable() {
 }
 
 fn event(id: u64, reason: &str) -> DeviceEvent {
+    booted_event(0, id, reason)
+}
+
+fn booted_event(boot: u64, id: u64, reason: &str) -> DeviceEvent {
     DeviceEvent {
         id,
+        boot,
         warning: false,
         reason: reason.into(),
         message: format!("event {id}"),
@@ -286,6 +292,91 @@ async fn events_stay_in_order_once_each_and_survive_a_reopen() {
     assert_eq!(
         pending_events(&store),
         vec![("a".to_owned(), 3), ("b".to_owned(), 2)]
+    );
+}
+
+/// A device that reboots without persistent memory counts its event ids
+/// from 1 again under a new boot epoch: those are new events, not resends
+/// (with "highest id seen" alone, every one of them was taken for a
+/// duplicate and lost), while a resend from the boot before is still one.
+#[tokio::test]
+async fn events_after_a_reboot_count_from_one_and_are_stored() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("store");
+    let a = ResourceKey::device("plant", "a");
+    let stored = |outcome: EventOutcome| matches!(outcome, EventOutcome::Stored { .. });
+    {
+        let store = open(&dir);
+        for n in 1..=3 {
+            let outcome = store
+                .record_event(&a, booted_event(11, n, "Tick"), 1)
+                .await
+                .unwrap();
+            assert!(stored(outcome), "{outcome:?}");
+        }
+        for n in 1..=2 {
+            let outcome = store
+                .record_event(&a, booted_event(22, n, "FirmwareInstalled"), 2)
+                .await
+                .unwrap();
+            assert!(stored(outcome), "boot 22 event {n}: {outcome:?}");
+        }
+        // A late resend of the boot before is recognised.
+        assert_eq!(
+            store
+                .record_event(&a, booted_event(11, 3, "Tick"), 3)
+                .await
+                .unwrap(),
+            EventOutcome::Duplicate { highest: 3 }
+        );
+    }
+    // Across a reopen too, and both boots' ids are known.
+    let store = open(&dir);
+    assert_eq!(
+        store
+            .record_event(&a, booted_event(22, 2, "FirmwareInstalled"), 4)
+            .await
+            .unwrap(),
+        EventOutcome::Duplicate { highest: 2 }
+    );
+    let ids: Vec<(u64, u64)> = store
+        .pending_uplink(0, usize::MAX)
+        .unwrap()
+        .into_iter()
+        .filter_map(|(_, pending)| match pending {
+            PendingUplink::Event { stored, .. } => Some((stored.event.boot, stored.event.id)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(ids, [(11, 1), (11, 2), (11, 3), (22, 1), (22, 2)]);
+    // The oldest boots are forgotten beyond BOOTS_REMEMBERED: the store
+    // holds a few numbers per device, however often it reboots.
+    for boot in 100..100 + BOOTS_REMEMBERED as u64 {
+        let outcome = store
+            .record_event(&a, booted_event(boot, 1, "Tick"), 5)
+            .await
+            .unwrap();
+        assert!(stored(outcome), "{outcome:?}");
+    }
+    assert!(
+        stored(
+            store
+                .record_event(&a, booted_event(11, 3, "Tick"), 6)
+                .await
+                .unwrap()
+        ),
+        "boot 11 is no longer remembered"
+    );
+    assert_eq!(
+        store
+            .record_event(
+                &a,
+                booted_event(100 + BOOTS_REMEMBERED as u64 - 1, 1, "Tick"),
+                7
+            )
+            .await
+            .unwrap(),
+        EventOutcome::Duplicate { highest: 1 }
     );
 }
 

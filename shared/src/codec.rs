@@ -75,11 +75,21 @@ pub const MAX_EVENT_MESSAGE: usize = 512;
 /// cloud once, in order.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct DeviceEvent {
-    /// Assigned by the device, strictly increasing per device and starting
-    /// at 1. The agent keeps the highest it stored, so a resend of an event
-    /// it already holds is acknowledged and not stored twice.
+    /// Assigned by the device, strictly increasing per device and boot,
+    /// starting at 1. The agent keeps the highest it stored per boot, so a
+    /// resend of an event it already holds is acknowledged and not stored
+    /// twice.
     #[serde(rename = "id")]
     pub id: u64,
+    /// The device's boot epoch: a number the device picks at every boot
+    /// that differs from its earlier boots' (a random 64-bit number, or a
+    /// counter kept in persistent memory). A device that loses its event
+    /// counter (a reboot without persistent memory, replaced hardware)
+    /// starts its ids from 1 again under a new epoch, and the agent takes
+    /// them as new events instead of resends. 0 (absent) for a device that
+    /// keeps its counter for good.
+    #[serde(rename = "b", default, skip_serializing_if = "is_zero")]
+    pub boot: u64,
     /// A warning rather than a normal event.
     #[serde(rename = "w", default)]
     pub warning: bool,
@@ -93,11 +103,18 @@ pub struct DeviceEvent {
 
 /// Agent → device (MQTT): every event of the device up to `id` is stored.
 /// Over CoAP the response to the POST says the same.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EventAck {
-    /// The highest event id the agent holds for the device.
+    /// The highest event id the agent holds for the device in `boot`.
     #[serde(rename = "id")]
     pub id: u64,
+    /// The boot epoch of the event acknowledged.
+    #[serde(rename = "b", default, skip_serializing_if = "is_zero")]
+    pub boot: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// Agent → device: a one-off order (reboot, identify, …).
@@ -334,6 +351,7 @@ mod tests {
     fn events_round_trip_and_break_no_rule() {
         let event = DeviceEvent {
             id: 7,
+            boot: 0,
             warning: true,
             reason: "FirmwareFailed".into(),
             message: "checksum mismatch".into(),
@@ -342,8 +360,22 @@ mod tests {
             decode::<DeviceEvent>(&encode(&event).unwrap()).unwrap(),
             event
         );
-        let ack = EventAck { id: 7 };
-        assert_eq!(decode::<EventAck>(&encode(&ack).unwrap()).unwrap(), ack);
+        let rebooted = DeviceEvent {
+            boot: u64::MAX,
+            ..event.clone()
+        };
+        assert_eq!(
+            decode::<DeviceEvent>(&encode(&rebooted).unwrap()).unwrap(),
+            rebooted
+        );
+        // A device without boot epochs sends none, and is read as boot 0.
+        assert_eq!(
+            encode(&event).unwrap().len() + 11,
+            encode(&rebooted).unwrap().len()
+        );
+        for ack in [EventAck { id: 7, boot: 0 }, EventAck { id: 7, boot: 9 }] {
+            assert_eq!(decode::<EventAck>(&encode(&ack).unwrap()).unwrap(), ack);
+        }
         for bad in [
             DeviceEvent {
                 id: 0,

@@ -2,19 +2,21 @@
 
 use std::collections::BTreeMap;
 
-use edgefleet_cloud::device_events::{CONTROLLER, EVENT_ID_ANNOTATION};
+use edgefleet_cloud::device_events::{CONTROLLER, EVENT_BOOT_ANNOTATION, EVENT_ID_ANNOTATION};
+
+use crate::final_state::EventId;
 use k8s_openapi::api::events::v1::Event;
 use kube::{Api, Client};
 
-/// The device event ids that arrived in namespace `ns`, per Device name, in
-/// the order they were listed (sorted), with repeats kept so a test can
-/// tell "once" from "twice".
+/// The device events that arrived in namespace `ns` as (boot epoch, id),
+/// per Device name, sorted, with repeats kept so a test can tell "once"
+/// from "twice".
 pub async fn device_event_ids(
     client: &Client,
     ns: &str,
-) -> anyhow::Result<BTreeMap<String, Vec<u64>>> {
+) -> anyhow::Result<BTreeMap<String, Vec<EventId>>> {
     let events: Api<Event> = Api::namespaced(client.clone(), ns);
-    let mut ids: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+    let mut ids: BTreeMap<String, Vec<EventId>> = BTreeMap::new();
     for event in events.list(&Default::default()).await?.items {
         if event.reporting_controller.as_deref() != Some(CONTROLLER) {
             continue;
@@ -22,14 +24,22 @@ pub async fn device_event_ids(
         let Some(device) = event.regarding.as_ref().and_then(|r| r.name.clone()) else {
             continue;
         };
-        let id = event
-            .metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get(EVENT_ID_ANNOTATION))
-            .and_then(|id| id.parse().ok())
+        let annotation = |name| {
+            event
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(name))
+                .map(|v| v.parse::<u64>())
+        };
+        let id = annotation(EVENT_ID_ANNOTATION)
+            .and_then(Result::ok)
             .ok_or_else(|| anyhow::anyhow!("device Event {:?} has no id", event.metadata.name))?;
-        ids.entry(device).or_default().push(id);
+        let boot = annotation(EVENT_BOOT_ANNOTATION)
+            .transpose()
+            .map_err(|e| anyhow::anyhow!("device Event {:?}: boot {e}", event.metadata.name))?
+            .unwrap_or(0);
+        ids.entry(device).or_default().push((boot, id));
     }
     for list in ids.values_mut() {
         list.sort_unstable();
@@ -79,10 +89,13 @@ pub async fn wait_exactly_once(
         "events never confirmed by the agent: {}",
         unconfirmed.join(", ")
     );
-    let expected: BTreeMap<String, Vec<u64>> = raised
+    let expected: BTreeMap<String, Vec<EventId>> = raised
         .into_iter()
         .filter(|(_, e)| !e.events.is_empty())
-        .map(|(name, e)| (name, e.events))
+        .map(|(name, mut e)| {
+            e.events.sort_unstable();
+            (name, e.events)
+        })
         .collect();
     let total = expected.values().map(Vec::len).sum();
     let deadline = tokio::time::Instant::now() + patience;

@@ -26,16 +26,19 @@ pub fn read_final_state(path: &Path) -> anyhow::Result<HashMap<String, DeviceRep
     Ok(finals)
 }
 
+/// An event's identity: the device's (boot epoch, id).
+pub type EventId = (u64, u64);
+
 /// The events one device raised, from the final-state file.
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Deserialize)]
 pub struct FinalEvents {
-    /// Every event id it raised, in order.
-    pub events: Vec<u64>,
+    /// Every event it raised, in order.
+    pub events: Vec<EventId>,
     /// Those its agent had not confirmed when the simulator stopped.
-    pub unconfirmed_events: Vec<u64>,
+    pub unconfirmed_events: Vec<EventId>,
     /// Those given up because the device's Device was deleted.
     #[serde(default)]
-    pub abandoned_events: Vec<u64>,
+    pub abandoned_events: Vec<EventId>,
 }
 
 /// Each device's events, by Device name.

@@ -8,6 +8,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use coap_lite::{CoapOption, MessageClass, MessageType, Packet, RequestType, ResponseType};
+use edgefleet_cloud::device_events::EVENT_BOOT_ANNOTATION;
 use edgefleet_shared::api::{Device, DevicePhase, DeviceSpec, Transport};
 use edgefleet_shared::codec::{self, DesiredState, DeviceReport};
 use edgefleet_shared::{PropertyValue, ResourceKey, topics};
@@ -545,4 +546,82 @@ async fn simulated_devices_apply_their_desired_state_and_report_it_back() {
             .any(|l| l.contains(&format!("/{name}\"")) && l.contains("\"generation\":2")),
         "the applied log lacks {name} at generation 2:\n{log}"
     );
+
+    // A firmware install reboots every device (one CoAP, one MQTT): it
+    // counts its event ids from 1 again under a new boot epoch, and its
+    // FirmwareInstalled event still becomes a Kubernetes Event (with "the
+    // highest id seen" alone the agent took it for a resend and dropped it).
+    let installed: Vec<String> = list
+        .items
+        .iter()
+        .filter(|d| d.spec.model != "thermostat")
+        .map(|d| (d.spec.transport, d.metadata.name.clone().unwrap()))
+        .fold(
+            Vec::new(),
+            |mut picked: Vec<(Transport, String)>, (transport, name)| {
+                if !picked.iter().any(|(t, _)| *t == transport) {
+                    picked.push((transport, name));
+                }
+                picked
+            },
+        )
+        .into_iter()
+        .map(|(_, name)| name)
+        .collect();
+    assert_eq!(installed.len(), 2, "one CoAP and one MQTT device");
+    let firmware = serde_json::json!({ "spec": { "firmware": {
+        "version": "9.0.0",
+        "url": "https://firmware.example/9.0.0.bin",
+        "sha256": "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",
+    } } });
+    for name in &installed {
+        devices
+            .patch(
+                name,
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Merge(&firmware),
+            )
+            .await
+            .unwrap();
+    }
+    let events: Api<k8s_openapi::api::events::v1::Event> =
+        Api::namespaced(site.client.clone(), &site.ns);
+    let list_events = || async {
+        let list = events.list(&Default::default()).await.ok()?;
+        let installed_events: Vec<(String, String)> = list
+            .items
+            .iter()
+            .filter(|e| e.reason.as_deref() == Some("FirmwareInstalled"))
+            .filter_map(|e| {
+                let name = e.regarding.as_ref()?.name.clone()?;
+                let boot = e
+                    .metadata
+                    .annotations
+                    .as_ref()?
+                    .get(EVENT_BOOT_ANNOTATION)?;
+                Some((name, boot.clone()))
+            })
+            .collect();
+        installed
+            .iter()
+            .all(|name| installed_events.iter().any(|(n, _)| n == name))
+            .then_some(installed_events)
+    };
+    let installed_events = eventually(
+        "each rebooted device's FirmwareInstalled event (id 1 of a new boot) is a Kubernetes Event",
+        list_events,
+    )
+    .await;
+    let ids = edgefleet_tests::edge_events::device_event_ids(&site.client, &site.ns)
+        .await
+        .unwrap();
+    for name in &installed {
+        let boots: std::collections::BTreeSet<u64> =
+            ids[name].iter().map(|(boot, _)| *boot).collect();
+        assert!(
+            boots.len() >= 2 && ids[name].iter().filter(|(_, id)| *id == 1).count() >= 2,
+            "{name}: events of two boots, each from id 1: {:?} ({installed_events:?})",
+            ids[name]
+        );
+    }
 }

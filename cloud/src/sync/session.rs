@@ -469,6 +469,7 @@ impl Session {
                 // the limits of the Event the cloud will write.
                 let checked = edgefleet_shared::codec::DeviceEvent {
                     id: event.device_event_id,
+                    boot: event.device_boot,
                     warning: false,
                     reason: event.reason.clone(),
                     message: event.message.clone(),
@@ -481,6 +482,7 @@ impl Session {
                     uid,
                     node: self.node.clone(),
                     id: event.device_event_id,
+                    boot: event.device_boot,
                     warning,
                     reason: event.reason,
                     message: event.message,

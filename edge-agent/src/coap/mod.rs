@@ -490,7 +490,7 @@ async fn event(request: &Packet, store: &Store, key: &ResourceKey) -> (&'static 
     if let Err(refusal) = known_device(request, store, key) {
         return refusal;
     }
-    let id = event.id;
+    let (id, boot) = (event.id, event.boot);
     let (outcome, highest) = match store
         .record_event(key, event, edgefleet_shared::now_unix_ms())
         .await
@@ -513,7 +513,8 @@ async fn event(request: &Packet, store: &Store, key: &ResourceKey) -> (&'static 
     };
     let mut response = reply(request, ResponseType::Changed);
     response.set_content_format(ContentFormat::ApplicationCBOR);
-    response.payload = codec::encode(&EventAck { id: highest }).expect("an ack always encodes");
+    response.payload =
+        codec::encode(&EventAck { id: highest, boot }).expect("an ack always encodes");
     (outcome, response)
 }
 

@@ -257,6 +257,7 @@ pub fn uplink_body(pending: PendingUplink) -> uplink_entry::Body {
             message: stored.event.message,
             at_ms: stored.at_ms,
             device_event_id: stored.event.id,
+            device_boot: stored.event.boot,
             device_uid: stored.uid,
         }),
         PendingUplink::EventsDropped(dropped) => {
