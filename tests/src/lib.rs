@@ -20,6 +20,7 @@ pub mod fault;
 pub mod final_state;
 pub mod fleet_view;
 pub mod mosquitto;
+pub mod powercut_fs;
 pub mod process;
 pub mod sim;
 pub mod stack;
