@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: test lint crds controlplane up bench bench-resync
+.PHONY: test lint crds controlplane up bench bench-resync bench-ingest
 
 ## Build (or reuse) the local control plane, then run every test.
 test: controlplane
@@ -39,3 +39,10 @@ bench: controlplane
 bench-resync: controlplane
 	$(CARGO) build --locked --release --bins
 	./target/release/edgefleet-resync-bench $(BENCH_ARGS)
+
+## Measure the agent's durable ingest: CoAP reports and MQTT events per
+## second and their acknowledgement latency, with and without group commit
+## and the power-cut syncs (release build). Figures: docs/benchmarks.md.
+bench-ingest:
+	$(CARGO) build --locked --release --bin edgefleet-ingest-bench
+	./target/release/edgefleet-ingest-bench $(BENCH_ARGS)

@@ -1,0 +1,507 @@
+//! `edgefleet-ingest-bench` (`make bench-ingest`): how fast one agent takes
+//! in what its devices send, durably, and what each acknowledgement waits.
+//! Everything runs in this process on a store on the real disk; devices
+//! talk to the agent over real UDP (CoAP) and through a real Mosquitto
+//! (MQTT). It prints (and asserts nothing; see docs/benchmarks.md), per
+//! phase:
+//!
+//! - acknowledged messages per second, and per second of the agent's CPU
+//!   (this process's CPU time minus the device clients' threads; the broker
+//!   is another process and not counted);
+//! - the acknowledgement latency, p50 / p99 / max: for CoAP the response
+//!   to a report, which the agent sends once the report is durable; for
+//!   MQTT the `event-ack` to an event, which the agent publishes once the
+//!   event is durable (a report's acknowledgement goes to the broker, which
+//!   devices never see).
+//!
+//! The phases: CoAP reports with and without the syncs that make a flush
+//! survive a power cut (what they cost), and MQTT events with one flush per
+//! message (the agent before group commit) against one flush per batch.
+//! Every device keeps one message outstanding, as the simulated devices do.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Parser;
+use edgefleet_agent::coap::{self, CoapMetrics};
+use edgefleet_agent::mqtt::{self, BrokerAddress, MqttMetrics};
+use edgefleet_agent::store::{DesiredDevice, Store};
+use edgefleet_shared::api::Transport;
+use edgefleet_shared::codec::{self, DeviceEvent, DeviceReport, EventAck};
+use edgefleet_shared::{PropertyValue, ResourceKey, ResourceVersion, topics};
+use edgefleet_sim::coap::{CoapClient, Request};
+use edgefleet_sim::retransmit::RetransmitParams;
+use edgefleet_tests::bench::Report;
+use edgefleet_tests::mosquitto::Mosquitto;
+use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
+use tokio::runtime::Runtime;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "edgefleet-ingest-bench",
+    about = "Measure an agent's durable ingest over CoAP and MQTT"
+)]
+struct Cli {
+    /// Devices, each with one message outstanding.
+    #[arg(long, default_value_t = 200)]
+    devices: usize,
+    /// How long each phase runs.
+    #[arg(long, default_value_t = 10)]
+    seconds: u64,
+    /// Where the stores go (a real disk, not tmpfs, for honest flushes).
+    #[arg(long, default_value = "target/ingest-bench")]
+    dir: std::path::PathBuf,
+}
+
+const NAMESPACE: &str = "bench";
+/// The name of the threads that run the device clients, whose CPU time is
+/// not the agent's.
+const CLIENT_THREADS: &str = "bench-devices";
+
+fn key(i: usize) -> ResourceKey {
+    ResourceKey::device(NAMESPACE, format!("d{i:05}"))
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    std::fs::create_dir_all(&cli.dir)?;
+    // The agent's side runs on one worker thread, as on a small edge box;
+    // the devices on threads of their own.
+    let agent = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("bench-agent")
+        .enable_all()
+        .build()?;
+    let devices = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name(CLIENT_THREADS)
+        .enable_all()
+        .build()?;
+    let mut report = Report::default();
+    report.line(&format!(
+        "ingest: {} devices, one message outstanding each, {} s per phase, stores in {}",
+        cli.devices,
+        cli.seconds,
+        cli.dir.display()
+    ));
+    let phases: [(&str, Phase); 4] = [
+        (
+            "CoAP reports, flush without power-cut syncs",
+            Phase::Coap { sync: false },
+        ),
+        (
+            "CoAP reports, flush + power-cut syncs (today)",
+            Phase::Coap { sync: true },
+        ),
+        (
+            "MQTT events, one flush per message",
+            Phase::Mqtt { max_batch: 1 },
+        ),
+        (
+            "MQTT events, group commit (today)",
+            Phase::Mqtt {
+                max_batch: mqtt::MAX_BATCH,
+            },
+        ),
+    ];
+    let broker_dir = tempfile::tempdir()?;
+    // Errors only: its connection log would bury the figures. Without
+    // set_tcp_nodelay, Nagle's algorithm holds each small packet the broker
+    // forwards until the last one is acknowledged (~40 ms per hop with
+    // delayed ACKs): the latency of a lone device would be the broker's.
+    let broker = Mosquitto::start_with(broker_dir.path(), "log_type error\nset_tcp_nodelay true\n");
+    for (n, (name, phase)) in phases.into_iter().enumerate() {
+        let dir = cli.dir.join(format!("phase-{n}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        let figures = run_phase(&agent, &devices, &cli, &dir, &broker, phase)
+            .with_context(|| format!("phase {name:?}"))?;
+        report.line(&format!("{name:<48} {figures}"));
+        std::fs::remove_dir_all(&dir)?;
+    }
+    std::fs::write(cli.dir.join("results.txt"), &report.text)?;
+    println!("(also in {})", cli.dir.join("results.txt").display());
+    Ok(())
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Phase {
+    Coap { sync: bool },
+    Mqtt { max_batch: usize },
+}
+
+/// What one phase measured.
+struct Figures {
+    acked: usize,
+    elapsed: Duration,
+    agent_cpu: Duration,
+    latencies: Vec<Duration>,
+    failures: usize,
+}
+
+impl std::fmt::Display for Figures {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut sorted = self.latencies.clone();
+        sorted.sort();
+        let pct = |p: f64| {
+            sorted
+                .get(((sorted.len() as f64 * p) as usize).min(sorted.len().saturating_sub(1)))
+                .map_or(f64::NAN, |d| d.as_secs_f64() * 1e3)
+        };
+        let per_s = self.acked as f64 / self.elapsed.as_secs_f64();
+        let per_cpu_s = self.acked as f64 / self.agent_cpu.as_secs_f64().max(1e-9);
+        write!(
+            f,
+            "{per_s:>7.0} acked/s {per_cpu_s:>7.0} per agent CPU-s  ack p50 {:>6.2} ms  p99 {:>7.2} ms  max {:>7.2} ms  ({} acked, {} failed)",
+            pct(0.50),
+            pct(0.99),
+            sorted.last().map_or(f64::NAN, |d| d.as_secs_f64() * 1e3),
+            self.acked,
+            self.failures
+        )
+    }
+}
+
+fn run_phase(
+    agent: &Runtime,
+    devices: &Runtime,
+    cli: &Cli,
+    dir: &std::path::Path,
+    broker: &Mosquitto,
+    phase: Phase,
+) -> anyhow::Result<Figures> {
+    let node = format!("ingest-{}", dir.file_name().unwrap().to_string_lossy());
+    let transport = match phase {
+        Phase::Coap { .. } => Transport::Coap,
+        Phase::Mqtt { .. } => Transport::Mqtt,
+    };
+    let store = agent.block_on(seed_store(dir, cli.devices, transport))?;
+    let store = match phase {
+        Phase::Coap { sync: false } => store.without_power_cut_sync(),
+        _ => store,
+    };
+    let until = Duration::from_secs(cli.seconds);
+    let (served, results) = match phase {
+        Phase::Coap { .. } => {
+            let socket = agent.block_on(tokio::net::UdpSocket::bind("127.0.0.1:0"))?;
+            let addr = socket.local_addr()?;
+            let served = agent
+                .spawn(coap::serve(
+                    socket,
+                    store.clone(),
+                    Arc::new(CoapMetrics::default()),
+                ))
+                .abort_handle();
+            let cpu = Cpu::now()?;
+            let results = devices.block_on(coap_devices(addr, cli.devices, until));
+            (served, (results, cpu.since()?))
+        }
+        Phase::Mqtt { max_batch } => {
+            let served = agent
+                .spawn(mqtt::run_with_batch(
+                    BrokerAddress {
+                        host: broker.addr.ip().to_string(),
+                        port: broker.addr.port(),
+                    },
+                    node.clone(),
+                    store.clone(),
+                    Arc::new(MqttMetrics::default()),
+                    Default::default(),
+                    max_batch,
+                ))
+                .abort_handle();
+            let sessions = devices.block_on(connect_sessions(broker.addr, &node, cli.devices))?;
+            let cpu = Cpu::now()?;
+            let results = devices.block_on(run_sessions(sessions, until));
+            (served, (results, cpu.since()?))
+        }
+    };
+    served.abort();
+    let ((latencies, failures, elapsed), agent_cpu) = results;
+    Ok(Figures {
+        acked: latencies.len(),
+        elapsed,
+        agent_cpu,
+        latencies,
+        failures,
+    })
+}
+
+/// A store in `dir` holding `count` devices.
+async fn seed_store(
+    dir: &std::path::Path,
+    count: usize,
+    transport: Transport,
+) -> anyhow::Result<Store> {
+    let store = Store::open(dir)?.store;
+    let devices: Vec<_> = (0..count)
+        .map(|i| {
+            (
+                key(i),
+                DesiredDevice {
+                    version: ResourceVersion::new(format!("uid-{i}"), 1),
+                    model: "meter".into(),
+                    transport,
+                    properties: BTreeMap::new(),
+                    firmware: None,
+                },
+            )
+        })
+        .collect();
+    for chunk in devices.chunks(500) {
+        store.apply(chunk, &[]).await?;
+    }
+    Ok(store)
+}
+
+/// Acknowledgement latencies, failed exchanges and the time they took.
+type Results = (Vec<Duration>, usize, Duration);
+
+/// `count` CoAP devices, each on its own socket (as constrained devices
+/// are), each sending a new report as soon as the last was acknowledged.
+async fn coap_devices(agent: SocketAddr, count: usize, until: Duration) -> Results {
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..count)
+        .map(|i| {
+            tokio::spawn(async move {
+                let client = CoapClient::connect(agent, 1, 1).await.expect("a socket");
+                let (mut latencies, mut failures) = (Vec::new(), 0);
+                let mut value = 0;
+                while started.elapsed() < until {
+                    value += 1;
+                    let payload = codec::encode(&reading(value)).expect("a report encodes");
+                    let request = Request::report(NAMESPACE, &key(i).name, payload);
+                    let sent = Instant::now();
+                    let exchange = client
+                        .request(&request, RetransmitParams::default().start_with_factor(1.0))
+                        .await;
+                    match exchange.result {
+                        Ok(response) if response.is_success() => latencies.push(sent.elapsed()),
+                        _ => failures += 1,
+                    }
+                }
+                (latencies, failures)
+            })
+        })
+        .collect();
+    collect(tasks, started).await
+}
+
+fn reading(value: i64) -> DeviceReport {
+    DeviceReport {
+        applied_generation: 1,
+        properties: BTreeMap::from([("reading".to_owned(), PropertyValue::Int(value))]),
+        firmware_version: None,
+    }
+}
+
+async fn collect(
+    tasks: Vec<tokio::task::JoinHandle<(Vec<Duration>, usize)>>,
+    started: Instant,
+) -> Results {
+    let (mut latencies, mut failures) = (Vec::new(), 0);
+    for task in tasks {
+        let (l, f) = task.await.expect("a device task");
+        latencies.extend(l);
+        failures += f;
+    }
+    (latencies, failures, started.elapsed())
+}
+
+/// Devices per MQTT connection, as device-sim groups them.
+const PER_SESSION: usize = 50;
+
+/// `count` MQTT devices, `PER_SESSION` to a connection, connected and
+/// subscribed, each with one event confirmed (so setup is not measured).
+async fn connect_sessions(
+    broker: SocketAddr,
+    node: &str,
+    count: usize,
+) -> anyhow::Result<Vec<Session>> {
+    let mut sessions = Vec::new();
+    for (n, first) in (0..count).step_by(PER_SESSION).enumerate() {
+        let devices: Vec<usize> = (first..(first + PER_SESSION).min(count)).collect();
+        sessions.push(Session::connect(broker, node, n, devices).await?);
+    }
+    Ok(sessions)
+}
+
+/// Every device of `sessions` sends a new event as soon as the last was
+/// confirmed on its `event-ack` topic, for `until`.
+async fn run_sessions(sessions: Vec<Session>, until: Duration) -> Results {
+    let started = Instant::now();
+    let tasks: Vec<_> = sessions
+        .into_iter()
+        .map(|session| tokio::spawn(session.run(started, until)))
+        .collect();
+    collect(tasks, started).await
+}
+
+/// One MQTT connection carrying some devices' events.
+struct Session {
+    client: AsyncClient,
+    events: rumqttc::EventLoop,
+    node: String,
+    devices: Vec<usize>,
+    /// A device's slot by its `event-ack` topic.
+    slots: HashMap<String, usize>,
+    /// The next event id per device (the first was sent at connect).
+    next_id: Vec<u64>,
+    /// When each device's outstanding event was sent.
+    sent: Vec<Instant>,
+}
+
+impl Session {
+    async fn connect(
+        broker: SocketAddr,
+        node: &str,
+        n: usize,
+        devices: Vec<usize>,
+    ) -> anyhow::Result<Session> {
+        let mut options = MqttOptions::new(
+            format!("{node}-devices-{n}"),
+            broker.ip().to_string(),
+            broker.port(),
+        );
+        options.set_keep_alive(Duration::from_secs(30));
+        let (client, mut events) = AsyncClient::new(options, PER_SESSION * 4);
+        let mut network = events.network_options();
+        network.set_tcp_nodelay(true);
+        events.set_network_options(network);
+        for &i in &devices {
+            client
+                .subscribe(topics::event_ack(node, &key(i)), QoS::AtLeastOnce)
+                .await?;
+        }
+        let mut session = Session {
+            client,
+            events,
+            node: node.to_owned(),
+            slots: devices
+                .iter()
+                .enumerate()
+                .map(|(slot, &i)| (topics::event_ack(node, &key(i)), slot))
+                .collect(),
+            next_id: vec![1; devices.len()],
+            sent: vec![Instant::now(); devices.len()],
+            devices,
+        };
+        // One event per device, confirmed, before the clock starts; resent
+        // every second, as devices do, since the agent may not have
+        // subscribed yet.
+        let mut unconfirmed: Vec<usize> = (0..session.devices.len()).collect();
+        while !unconfirmed.is_empty() {
+            for &slot in &unconfirmed {
+                session.send(slot).await?;
+            }
+            let resend = Instant::now() + Duration::from_secs(1);
+            while let Ok(polled) = tokio::time::timeout_at(resend.into(), session.poll()).await {
+                if let Some((slot, _)) = polled? {
+                    unconfirmed.retain(|&s| s != slot);
+                }
+            }
+        }
+        Ok(session)
+    }
+
+    /// Sends device `slot`'s next event.
+    async fn send(&mut self, slot: usize) -> anyhow::Result<()> {
+        let id = self.next_id[slot];
+        let event = DeviceEvent {
+            id,
+            boot: 0,
+            warning: false,
+            reason: "Reading".into(),
+            message: format!("event {id}"),
+        };
+        self.sent[slot] = Instant::now();
+        self.client
+            .publish(
+                topics::event(&self.node, &key(self.devices[slot])),
+                QoS::AtLeastOnce,
+                false,
+                codec::encode(&event)?,
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// Polls the connection; returns the slot of a device whose
+    /// outstanding event was confirmed, with its latency.
+    async fn poll(&mut self) -> anyhow::Result<Option<(usize, Duration)>> {
+        let Event::Incoming(Packet::Publish(publish)) = self.events.poll().await? else {
+            return Ok(None);
+        };
+        let ack: EventAck = codec::decode(&publish.payload)?;
+        let Some(&slot) = self.slots.get(publish.topic.as_str()) else {
+            return Ok(None);
+        };
+        if ack.id < self.next_id[slot] {
+            return Ok(None);
+        }
+        self.next_id[slot] = ack.id + 1;
+        Ok(Some((slot, self.sent[slot].elapsed())))
+    }
+
+    async fn run(mut self, started: Instant, until: Duration) -> (Vec<Duration>, usize) {
+        let mut latencies = Vec::new();
+        for slot in 0..self.devices.len() {
+            if self.send(slot).await.is_err() {
+                return (latencies, 1);
+            }
+        }
+        while started.elapsed() < until {
+            match self.poll().await {
+                Ok(Some((slot, latency))) => {
+                    latencies.push(latency);
+                    if self.send(slot).await.is_err() {
+                        return (latencies, 1);
+                    }
+                }
+                Ok(None) => {}
+                Err(_) => return (latencies, 1),
+            }
+        }
+        (latencies, 0)
+    }
+}
+
+/// CPU time of the agent's threads: every thread of this process but the
+/// main one and the device clients', by thread id.
+struct Cpu(HashMap<String, Duration>);
+
+impl Cpu {
+    fn now() -> anyhow::Result<Cpu> {
+        let main = std::process::id().to_string();
+        let mut threads = HashMap::new();
+        for task in std::fs::read_dir("/proc/self/task")? {
+            let task = task?;
+            let tid = task.file_name().to_string_lossy().into_owned();
+            let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+            if tid == main || CLIENT_THREADS.starts_with(comm.trim()) {
+                continue;
+            }
+            // The first field: nanoseconds spent on a CPU.
+            let on_cpu = std::fs::read_to_string(task.path().join("schedstat"))
+                .ok()
+                .and_then(|s| s.split_whitespace().next()?.parse().ok());
+            if let Some(ns) = on_cpu {
+                threads.insert(tid, Duration::from_nanos(ns));
+            }
+        }
+        Ok(Cpu(threads))
+    }
+
+    /// The agent's CPU time since `self` (a thread that ended in between
+    /// is not counted; the agent's threads live through a phase).
+    fn since(self) -> anyhow::Result<Duration> {
+        let now = Cpu::now()?;
+        Ok(now
+            .0
+            .iter()
+            .map(|(tid, t)| t.saturating_sub(self.0.get(tid).copied().unwrap_or_default()))
+            .sum())
+    }
+}
