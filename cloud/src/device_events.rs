@@ -14,9 +14,13 @@
 //! notice's sequence number, so it is exactly once too.
 //!
 //! Creates are paced by their own rate limit (`--device-events-per-second`)
-//! and retried with backoff while the API server fails.
+//! and retried with backoff while the API server fails. They wait in one
+//! queue per node, served in turn ([`FairQueue`]): a site coming back with a
+//! backlog of thousands of events does not hold back another site's next
+//! event behind all of them. Each queue is bounded by the uplink window (an
+//! agent has at most that many entries unacknowledged).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::Duration;
@@ -140,12 +144,69 @@ impl DeviceEventMetrics {
     }
 }
 
+/// Items waiting per node, taken one node at a time in turn: each node
+/// with something waiting gets the next turn after every other such node.
+#[derive(Debug)]
+pub struct FairQueue<T> {
+    waiting: HashMap<String, VecDeque<T>>,
+    /// The nodes with something waiting, in the order of their turns.
+    turns: VecDeque<String>,
+}
+
+impl<T> Default for FairQueue<T> {
+    fn default() -> Self {
+        FairQueue {
+            waiting: HashMap::new(),
+            turns: VecDeque::new(),
+        }
+    }
+}
+
+impl<T> FairQueue<T> {
+    /// Queues `item` behind `node`'s others.
+    pub fn push(&mut self, node: &str, item: T) {
+        let queue = self.waiting.entry(node.to_owned()).or_default();
+        if queue.is_empty() {
+            self.turns.push_back(node.to_owned());
+        }
+        queue.push_back(item);
+    }
+
+    /// The oldest item of the node whose turn it is.
+    pub fn pop(&mut self) -> Option<T> {
+        let node = self.turns.pop_front()?;
+        let queue = self.waiting.get_mut(&node)?;
+        let item = queue.pop_front();
+        if queue.is_empty() {
+            self.waiting.remove(&node);
+        } else {
+            self.turns.push_back(node);
+        }
+        item
+    }
+
+    /// Items waiting, over all nodes.
+    pub fn len(&self) -> usize {
+        self.waiting.values().map(VecDeque::len).sum()
+    }
+
+    /// Whether nothing waits.
+    pub fn is_empty(&self) -> bool {
+        self.turns.is_empty()
+    }
+}
+
+/// An Event to create, in its namespace, and whom to tell once it exists.
+type Job = (String, Event, Completion);
+
 /// Creates device Events. Cheap to clone.
 #[derive(Clone)]
 pub struct DeviceEvents {
     client: Client,
     limiter: Arc<DefaultDirectRateLimiter>,
-    slots: Arc<Semaphore>,
+    queue: Arc<std::sync::Mutex<FairQueue<Job>>>,
+    /// One permit per job in the queue.
+    queued: Arc<Semaphore>,
     metrics: DeviceEventMetrics,
 }
 
@@ -156,41 +217,61 @@ impl std::fmt::Debug for DeviceEvents {
 }
 
 impl DeviceEvents {
-    /// Creates at most `per_second` Events per second.
+    /// Creates at most `per_second` Events per second, with
+    /// [`CONCURRENT_CREATES`] workers (spawned here, on the current Tokio
+    /// runtime; they end with it).
     pub fn new(client: Client, per_second: NonZeroU32, metrics: DeviceEventMetrics) -> Self {
-        DeviceEvents {
+        let events = DeviceEvents {
             client,
             limiter: Arc::new(RateLimiter::direct(Quota::per_second(per_second))),
-            slots: Arc::new(Semaphore::new(CONCURRENT_CREATES)),
+            queue: Arc::default(),
+            queued: Arc::new(Semaphore::new(0)),
             metrics,
+        };
+        for _ in 0..CONCURRENT_CREATES {
+            tokio::spawn(events.clone().work());
         }
+        events
     }
 
     /// Creates the Event of `event` in the background; `done` is told once
     /// it exists (or can never exist).
     pub fn submit(&self, event: DeviceEvent, done: Completion) {
         let (namespace, object) = device_event(&event);
-        self.spawn(namespace, object, done);
+        self.enqueue(&event.node, (namespace, object, done));
     }
 
     /// Creates the Warning Event of a drop notice in the background.
     pub fn submit_dropped(&self, notice: DroppedNotice, done: Completion) {
         self.metrics.dropped_at_edge.inc_by(notice.count);
         tracing::warn!(node = %notice.node, count = notice.count, bound = notice.bound, "an agent dropped device events at its outbox bound");
-        self.spawn(
+        let job = (
             CLUSTER_EVENTS_NAMESPACE.to_owned(),
             dropped_event(&notice),
             done,
         );
+        self.enqueue(&notice.node, job);
     }
 
-    fn spawn(&self, namespace: String, object: Event, done: Completion) {
-        let this = self.clone();
-        tokio::spawn(async move {
-            let _slot = this.slots.acquire().await.expect("never closed");
-            this.create(&namespace, &object).await;
+    fn enqueue(&self, node: &str, job: Job) {
+        self.queue.lock().expect("event queue").push(node, job);
+        self.queued.add_permits(1);
+    }
+
+    /// One worker: creates the queued Events, a node at a time in turn.
+    async fn work(self) {
+        loop {
+            let Ok(permit) = self.queued.acquire().await else {
+                return;
+            };
+            permit.forget();
+            let job = self.queue.lock().expect("event queue").pop();
+            let Some((namespace, object, done)) = job else {
+                continue;
+            };
+            self.create(&namespace, &object).await;
             let _ = done.notify.send(done.seq);
-        });
+        }
     }
 
     /// Creates `object` until it exists or is refused for good.
@@ -386,6 +467,38 @@ mod tests {
             object.regarding.and_then(|r| r.uid).as_deref(),
             Some("6f0c1e2a-0000-4000-8000-000000000001")
         );
+    }
+
+    #[test]
+    fn the_queue_serves_nodes_in_turn_and_each_node_in_order() {
+        let mut queue = FairQueue::default();
+        for n in 1..=100 {
+            queue.push("busy", ("busy", n));
+        }
+        queue.push("quiet", ("quiet", 1));
+        queue.push("other", ("other", 1));
+        queue.push("quiet", ("quiet", 2));
+        assert_eq!(queue.len(), 103);
+        let first: Vec<_> = (0..6).map_while(|_| queue.pop()).collect();
+        assert_eq!(
+            first,
+            [
+                ("busy", 1),
+                ("quiet", 1),
+                ("other", 1),
+                ("busy", 2),
+                ("quiet", 2),
+                ("busy", 3)
+            ]
+        );
+        // A node that comes back after its queue ran empty queues behind
+        // those waiting.
+        queue.push("quiet", ("quiet", 3));
+        assert_eq!(queue.pop(), Some(("busy", 4)));
+        assert_eq!(queue.pop(), Some(("quiet", 3)));
+        let rest: Vec<_> = std::iter::from_fn(|| queue.pop()).collect();
+        assert_eq!(rest, (5..=100).map(|n| ("busy", n)).collect::<Vec<_>>());
+        assert!(queue.is_empty());
     }
 
     #[test]

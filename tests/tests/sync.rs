@@ -24,6 +24,16 @@ const NODE_GRACE: Duration = Duration::from_secs(2);
 /// A controller serving the Devices of namespace `ns` (tests run side by
 /// side on one API server; each controller minds its own namespace).
 async fn start_controller(client: &Client, ns: &str) -> Controller {
+    start_controller_with(client, ns, 200).await
+}
+
+/// [`start_controller`], creating at most `device_events_per_second`
+/// device Events per second.
+async fn start_controller_with(
+    client: &Client,
+    ns: &str,
+    device_events_per_second: u32,
+) -> Controller {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     Controller::start(
         client.clone(),
@@ -33,7 +43,7 @@ async fn start_controller(client: &Client, ns: &str) -> Controller {
             status_metrics: Default::default(),
             sync_metrics: Default::default(),
             event_metrics: Default::default(),
-            device_events_per_second: NonZeroU32::new(200).unwrap(),
+            device_events_per_second: NonZeroU32::new(device_events_per_second).unwrap(),
             device_event_metrics: Default::default(),
             instance: Some("test".into()),
             namespace: Some(ns.to_owned()),
@@ -390,6 +400,71 @@ fn event(id: u64) -> DeviceEvent {
         reason: "SelfCheck".into(),
         message: format!("self check {id}"),
     }
+}
+
+/// Device Events are created a node at a time in turn: a site that comes
+/// back with a backlog of events does not hold back another site's event
+/// behind all of it (with one queue for all, the quiet site's event waited
+/// for the whole backlog).
+#[tokio::test]
+async fn one_sites_event_backlog_does_not_hold_back_another_sites_events() {
+    const BACKLOG: u64 = 300;
+    let client = control_plane().client().await;
+    let ns = test_namespace(&client, "sync-fair").await;
+    // 300 Events take 15 s at this rate.
+    let controller = start_controller_with(&client, &ns, 20).await;
+    let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
+    let (busy, quiet) = (node_name("edge-busy"), node_name("edge-quiet"));
+    create_thermostat(&devices, "busy", &busy, 20.0).await;
+    create_thermostat(&devices, "quiet", &quiet, 20.0).await;
+    let dir = tempfile::tempdir().unwrap();
+    let busy_store = Store::open(&dir.path().join("busy")).unwrap().store;
+    let quiet_store = Store::open(&dir.path().join("quiet")).unwrap().store;
+    for id in 1..=BACKLOG {
+        busy_store
+            .record_event(
+                &ResourceKey::device(&ns, "busy"),
+                event(id),
+                1_700_000_000_000,
+            )
+            .await
+            .unwrap();
+    }
+    quiet_store
+        .record_event(
+            &ResourceKey::device(&ns, "quiet"),
+            event(1),
+            1_700_000_000_000,
+        )
+        .await
+        .unwrap();
+    let created = |name: &'static str| {
+        let (client, ns) = (client.clone(), ns.clone());
+        async move {
+            let ids = edge_events::device_event_ids(&client, &ns).await.ok()?;
+            Some(ids.get(name).map_or(0, Vec::len))
+        }
+    };
+
+    let _busy = start_agent(&controller, &busy, &busy_store);
+    eventually("the busy site's backlog is being created", || async {
+        (created("busy").await? >= 10).then_some(())
+    })
+    .await;
+    let _quiet = start_agent(&controller, &quiet, &quiet_store);
+    eventually("the quiet site's event is created", || async {
+        (created("quiet").await? == 1).then_some(())
+    })
+    .await;
+    let busy_done = created("busy").await.unwrap();
+    assert!(
+        busy_done < BACKLOG as usize / 2,
+        "the quiet site's event waited for {busy_done} of the busy site's {BACKLOG}"
+    );
+    eventually("the busy site's backlog is all created", || async {
+        (created("busy").await? == BACKLOG as usize).then_some(())
+    })
+    .await;
 }
 
 #[tokio::test]
