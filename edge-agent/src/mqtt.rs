@@ -283,22 +283,23 @@ async fn store_incoming(
         incoming.qos0.fetch_sub(qos0, Ordering::Relaxed);
 
         let mut batch = store.batch();
-        let written: Vec<(Publish, Result<Stored, Refusal>)> = waiting
+        let written: Vec<_> = waiting
             .drain(..)
             .map(|publish| {
-                let written = write(&node, &store, &mut batch, &publish);
-                (publish, written)
+                let uplink = topics::parse_uplink(&node, &publish.topic);
+                let written = write(&store, &mut batch, uplink.as_ref(), &publish);
+                (publish, outcomes(&metrics, uplink.as_ref()), written)
             })
             .collect();
         if let Err(error) = batch.commit().await {
             // Nothing is acknowledged: the broker sends it all again.
             tracing::error!(%error, messages = written.len(), "could not make reports and events durable");
-            for (publish, _) in &written {
-                outcomes(&node, &metrics, publish).inc("store_error");
+            for (_, counters, _) in &written {
+                counters.inc("store_error");
             }
             continue;
         }
-        for (publish, written) in written {
+        for (publish, counters, written) in written {
             let label = match written {
                 Ok(Stored::Report) => "stored",
                 Ok(Stored::Event { key, outcome, ack }) => {
@@ -313,7 +314,7 @@ async fn store_incoming(
                 Err(Refusal::Store(error)) => {
                     // Not acknowledged: the device sends it again.
                     tracing::error!(topic = %publish.topic, %error, "could not store a message");
-                    outcomes(&node, &metrics, &publish).inc("store_error");
+                    counters.inc("store_error");
                     continue;
                 }
                 Err(refusal) => {
@@ -321,7 +322,7 @@ async fn store_incoming(
                     refusal.label()
                 }
             };
-            outcomes(&node, &metrics, &publish).inc(label);
+            counters.inc(label);
             // A refused message is acknowledged too: resending it cannot
             // help.
             if let Err(error) = client.ack(&publish).await {
@@ -345,23 +346,36 @@ enum Stored {
     },
 }
 
-/// Writes one message into `batch`.
+/// Writes one message, sent on the topic `uplink` parsed to, into `batch`.
 fn write(
-    node: &str,
     store: &Store,
     batch: &mut Batch<'_>,
+    uplink: Option<&(ResourceKey, topics::Uplink)>,
     publish: &Publish,
 ) -> Result<Stored, Refusal> {
-    if let Some((key, topics::Uplink::Event)) = topics::parse_uplink(node, &publish.topic) {
-        let (outcome, ack) = write_event(store, batch, &key, publish)?;
-        return Ok(Stored::Event { key, outcome, ack });
+    match uplink {
+        Some((key, topics::Uplink::Event)) => {
+            let (outcome, ack) = write_event(store, batch, key, publish)?;
+            Ok(Stored::Event {
+                key: key.clone(),
+                outcome,
+                ack,
+            })
+        }
+        Some((key, topics::Uplink::Report)) => {
+            write_report(store, batch, key, publish).map(|()| Stored::Report)
+        }
+        None => Err(Refusal::NotAReport),
     }
-    write_report(node, store, batch, publish).map(|()| Stored::Report)
 }
 
-/// The counters a message counts in: events' or reports'.
-fn outcomes<'m>(node: &str, metrics: &'m MqttMetrics, publish: &Publish) -> &'m Outcomes {
-    match topics::parse_uplink(node, &publish.topic) {
+/// The counters a message counts in: events' or reports' (anything else
+/// counts as a report refused).
+fn outcomes<'m>(
+    metrics: &'m MqttMetrics,
+    uplink: Option<&(ResourceKey, topics::Uplink)>,
+) -> &'m Outcomes {
+    match uplink {
         Some((_, topics::Uplink::Event)) => &metrics.events,
         _ => &metrics.reports,
     }
@@ -414,18 +428,17 @@ fn write_event(
 }
 
 fn write_report(
-    node: &str,
     store: &Store,
     batch: &mut Batch<'_>,
+    key: &ResourceKey,
     publish: &Publish,
 ) -> Result<(), Refusal> {
-    let key = topics::parse_report(node, &publish.topic).ok_or(Refusal::NotAReport)?;
     let report: DeviceReport = codec::decode(&publish.payload).map_err(Refusal::Codec)?;
-    if store.desired(&key).map_err(Refusal::Store)?.is_none() {
+    if store.desired(key).map_err(Refusal::Store)?.is_none() {
         return Err(Refusal::UnknownDevice);
     }
     batch
-        .report(&key, report, edgefleet_shared::now_unix_ms())
+        .report(key, report, edgefleet_shared::now_unix_ms())
         .map(drop)
         .map_err(Refusal::Store)
 }

@@ -809,8 +809,7 @@ impl Store {
             .map_err(failed)?;
         // One flush for the reservation, a new store's id and schema, and
         // entries dropped as unreadable.
-        store.db.flush().map_err(failed)?;
-        store.files.sync().map_err(|e| failed(e.into()))?;
+        store.seqs.flush(&store.db, &store.files).map_err(failed)?;
         *store.lock_outbox() = OutboxState { events, reserved };
         // Everything in the store when it opens is on disk.
         store.seqs.written.store(next - 1, Ordering::SeqCst);

@@ -85,15 +85,6 @@ pub fn parse_uplink(node: &str, topic: &str) -> Option<(ResourceKey, Uplink)> {
         .then(|| (ResourceKey::device(namespace, name), kind))
 }
 
-/// The device a report topic of `node` is about, or `None` for any other
-/// topic.
-pub fn parse_report(node: &str, topic: &str) -> Option<ResourceKey> {
-    match parse_uplink(node, topic)? {
-        (key, Uplink::Report) => Some(key),
-        (_, Uplink::Event) => None,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -103,8 +94,8 @@ mod tests {
         let key = ResourceKey::device("plant", "t1");
         assert_eq!(report("edge-1", &key), "edgefleet/edge-1/plant/t1/report");
         assert_eq!(
-            parse_report("edge-1", &report("edge-1", &key)),
-            Some(key.clone())
+            parse_uplink("edge-1", &report("edge-1", &key)),
+            Some((key.clone(), Uplink::Report))
         );
         assert_eq!(desired("edge-1", &key), "edgefleet/edge-1/plant/t1/desired");
     }
@@ -140,7 +131,7 @@ mod tests {
             "other/edge-1/plant/t1/report",
             "edgefleet/edge-1/plant/t1/report/x",
         ] {
-            assert_eq!(parse_report("edge-1", topic), None, "{topic}");
+            assert_eq!(parse_uplink("edge-1", topic), None, "{topic}");
         }
     }
 }

@@ -124,6 +124,32 @@ where
     }
 }
 
+/// The value of environment variable `name`, or `default` when it is unset
+/// or does not parse (how the seeded tests take a seed to replay).
+pub fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
+}
+
+/// The one property of a [`numbered_report`].
+pub const READING: &str = "reading";
+
+/// A report at generation 1 whose one property, [`READING`], is `value`:
+/// what tests and benchmarks send when only which report came last matters.
+pub fn numbered_report(value: i64) -> edgefleet_shared::codec::DeviceReport {
+    edgefleet_shared::codec::DeviceReport {
+        applied_generation: 1,
+        properties: [(
+            READING.to_owned(),
+            edgefleet_shared::PropertyValue::Int(value),
+        )]
+        .into(),
+        firmware_version: None,
+    }
+}
+
 /// Creates a fresh namespace for one test and returns its name.
 pub async fn test_namespace(client: &Client, hint: &str) -> String {
     static NEXT: AtomicU32 = AtomicU32::new(0);

@@ -79,14 +79,8 @@ const KILLS: u32 = 100;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_killed_100_times_loses_and_repeats_no_report_event_or_desired_state() {
-    let seed: u64 = std::env::var("EDGEFLEET_CRASH_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(7);
-    let kills: u32 = std::env::var("EDGEFLEET_CRASH_KILLS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(KILLS);
+    let seed: u64 = edgefleet_tests::env_or("EDGEFLEET_CRASH_SEED", 7);
+    let kills: u32 = edgefleet_tests::env_or("EDGEFLEET_CRASH_KILLS", KILLS);
     eprintln!("crash test seed: {seed} (EDGEFLEET_CRASH_SEED), {kills} kills");
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
 

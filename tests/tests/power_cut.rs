@@ -31,12 +31,13 @@ use std::time::{Duration, Instant};
 
 use edgefleet_agent::store::{DesiredDevice, PendingUplink, Store};
 use edgefleet_shared::api::Transport;
-use edgefleet_shared::codec::{self, DeviceEvent, DeviceReport, EventAck};
+use edgefleet_shared::codec::{self, DeviceEvent, EventAck};
 use edgefleet_shared::{PropertyValue, ResourceKey, ResourceVersion};
 use edgefleet_sim::coap::{CoapClient, Request};
 use edgefleet_sim::retransmit::RetransmitParams;
 use edgefleet_tests::powercut_fs::{CutReport, PowerCutFs};
 use edgefleet_tests::process::{Process, free_tcp_addr, free_udp_addr, http_get};
+use edgefleet_tests::{READING, numbered_report};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -206,12 +207,7 @@ struct Acked {
 type Ledger = Arc<Mutex<Vec<Acked>>>;
 
 fn report_payload(value: i64) -> Vec<u8> {
-    codec::encode(&DeviceReport {
-        applied_generation: 1,
-        properties: BTreeMap::from([("n".to_owned(), PropertyValue::Int(value))]),
-        firmware_version: None,
-    })
-    .unwrap()
+    codec::encode(&numbered_report(value)).unwrap()
 }
 
 fn event_payload(id: u64) -> Vec<u8> {
@@ -354,10 +350,10 @@ fn check_store(dir: &Path, acked: &[Acked]) -> Checked {
             }
         };
         let stored = latest
-            .and_then(|l| l.report.properties.get("n").cloned())
+            .and_then(|l| l.report.properties.get(READING).cloned())
             .map_or(0, |v| match v {
                 PropertyValue::Int(n) => n,
-                other => panic!("{}: report n = {other}", key(i)),
+                other => panic!("{}: report {READING} = {other}", key(i)),
             });
         if stored < a.last_report {
             behind += 1;
@@ -492,14 +488,8 @@ fn store_trouble_in_logs(logs: &Path) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_acknowledged_report_or_event_is_lost_when_the_power_is_cut() {
-    let seed: u64 = std::env::var("EDGEFLEET_POWERCUT_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(11);
-    let cuts: u32 = std::env::var("EDGEFLEET_POWERCUT_CUTS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(CUTS);
+    let seed: u64 = edgefleet_tests::env_or("EDGEFLEET_POWERCUT_SEED", 11);
+    let cuts: u32 = edgefleet_tests::env_or("EDGEFLEET_POWERCUT_CUTS", CUTS);
     eprintln!("power-cut test seed: {seed} (EDGEFLEET_POWERCUT_SEED), {cuts} cuts");
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
 

@@ -30,12 +30,13 @@ use edgefleet_agent::coap::{self, CoapMetrics};
 use edgefleet_agent::mqtt::{self, BrokerAddress, MqttMetrics};
 use edgefleet_agent::store::{DesiredDevice, Store};
 use edgefleet_shared::api::Transport;
-use edgefleet_shared::codec::{self, DeviceEvent, DeviceReport, EventAck};
-use edgefleet_shared::{PropertyValue, ResourceKey, ResourceVersion, topics};
+use edgefleet_shared::codec::{self, DeviceEvent, EventAck};
+use edgefleet_shared::{ResourceKey, ResourceVersion, topics};
 use edgefleet_sim::coap::{CoapClient, Request};
 use edgefleet_sim::retransmit::RetransmitParams;
 use edgefleet_tests::bench::Report;
 use edgefleet_tests::mosquitto::Mosquitto;
+use edgefleet_tests::numbered_report;
 use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
 use tokio::runtime::Runtime;
 
@@ -271,7 +272,7 @@ async fn coap_devices(agent: SocketAddr, count: usize, until: Duration) -> Resul
                 let mut value = 0;
                 while started.elapsed() < until {
                     value += 1;
-                    let payload = codec::encode(&reading(value)).expect("a report encodes");
+                    let payload = codec::encode(&numbered_report(value)).expect("a report encodes");
                     let request = Request::report(NAMESPACE, &key(i).name, payload);
                     let sent = Instant::now();
                     let exchange = client
@@ -287,14 +288,6 @@ async fn coap_devices(agent: SocketAddr, count: usize, until: Duration) -> Resul
         })
         .collect();
     collect(tasks, started).await
-}
-
-fn reading(value: i64) -> DeviceReport {
-    DeviceReport {
-        applied_generation: 1,
-        properties: BTreeMap::from([("reading".to_owned(), PropertyValue::Int(value))]),
-        firmware_version: None,
-    }
 }
 
 async fn collect(
