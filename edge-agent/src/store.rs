@@ -1,12 +1,16 @@
 //! The agent's durable state, in sled: what the cloud wants (desired), what
-//! devices last said (reported), what must still go up (outbox), the highest
-//! event id each device sent in each of its recent boots (event_ids), and
-//! meta.
+//! devices last said (reported), what must still go up (the outbox), the
+//! highest event id each device sent in each of its recent boots
+//! (event_ids), and meta.
 //!
-//! The outbox is bounded: reports are compacted to the latest per device,
-//! and events are kept in order up to a bound; at the bound the oldest event
-//! makes room for the new one, and the drop is counted and sent up as an
-//! [`PendingUplink::EventsDropped`] entry when the link is there.
+//! The outbox holds two flows (see [`Flow`]), each a tree keyed by sequence
+//! number, numbered from one sequence: reports (`report_outbox`) and events
+//! (`outbox`). They go up and are acknowledged apart, so a backlog of
+//! events never holds back status. Both are bounded: reports are compacted
+//! to the latest per device, and events are kept in order up to a bound; at
+//! the bound the oldest event makes room for the new one, and the drop is
+//! counted and sent up as an [`PendingUplink::EventsDropped`] entry when the
+//! link is there.
 //!
 //! Durable points are explicit: every write that is answered to somebody (an
 //! Ack to the cloud, a success code to a device) is flushed first, and only
@@ -32,6 +36,7 @@ use std::time::{Duration, Instant};
 
 use edgefleet_shared::api::Transport;
 use edgefleet_shared::codec::{DesiredState, DeviceEvent, DeviceReport, FirmwareOrder};
+pub use edgefleet_shared::proto::Flow;
 use edgefleet_shared::{PropertyValue, ResourceKey, ResourceVersion};
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 use sled::Transactional;
@@ -241,6 +246,16 @@ pub enum PendingUplink {
     EventsDropped(Dropped),
 }
 
+impl PendingUplink {
+    /// The flow it goes up in.
+    pub fn flow(&self) -> Flow {
+        match self {
+            PendingUplink::Report { .. } => Flow::Reports,
+            PendingUplink::Event { .. } | PendingUplink::EventsDropped(_) => Flow::Events,
+        }
+    }
+}
+
 /// What became of an event a device sent.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EventOutcome {
@@ -401,10 +416,19 @@ pub struct Store {
     db: sled::Db,
     desired: sled::Tree,
     reported: sled::Tree,
-    outbox: sled::Tree,
+    // The reports flow of the outbox: device names by sequence number.
+    reports_out: sled::Tree,
+    // The events flow of the outbox: events and drop notices.
+    events_out: sled::Tree,
     event_ids: sled::Tree,
     meta: sled::Tree,
 }
+
+/// The trees of the two outbox flows. The events flow keeps the name the
+/// single outbox had, so a store from before flows opens with its events
+/// in place; its reports move (see [`Store::open_existing`]).
+const REPORTS_TREE: &str = "report_outbox";
+const EVENTS_TREE: &str = "outbox";
 
 /// What the writers of the outbox share, under [`Store::outbox_lock`].
 #[derive(Debug, Default)]
@@ -534,24 +558,30 @@ impl Rescued {
     /// reading stops at the first failure of sled in a tree.
     fn from(db: &sled::Db) -> Self {
         let mut rescued = Rescued::default();
-        match (db.open_tree("outbox"), db.open_tree("reported")) {
-            (Ok(outbox), Ok(reported)) => {
-                for item in outbox.iter() {
-                    let (k, v) = match item {
-                        Ok(kv) => kv,
-                        Err(e) => {
-                            rescued.lost.push(format!("the rest of the outbox: {e}"));
-                            break;
+        let mut entries = Vec::new();
+        for name in [REPORTS_TREE, EVENTS_TREE] {
+            match (db.open_tree(name), db.open_tree("reported")) {
+                (Ok(outbox), Ok(reported)) => {
+                    for item in outbox.iter() {
+                        let (k, v) = match item {
+                            Ok(kv) => kv,
+                            Err(e) => {
+                                rescued.lost.push(format!("the rest of {name}: {e}"));
+                                break;
+                            }
+                        };
+                        match read_entry(&reported, &k, &v) {
+                            Ok(entry) => entries.push(entry),
+                            Err(e) => rescued.lost.push(what_is_lost(e)),
                         }
-                    };
-                    match read_entry(&reported, &k, &v) {
-                        Ok((_, pending)) => rescued.entries.push(pending),
-                        Err(e) => rescued.lost.push(what_is_lost(e)),
                     }
                 }
+                (Err(e), _) | (_, Err(e)) => rescued.lost.push(format!("{name}: {e}")),
             }
-            (Err(e), _) | (_, Err(e)) => rescued.lost.push(format!("the outbox: {e}")),
         }
+        // Both flows, in the order they were written.
+        entries.sort_by_key(|(seq, _)| *seq);
+        rescued.entries = entries.into_iter().map(|(_, pending)| pending).collect();
         // Drops not sealed into an entry yet go up as one, after the rest.
         if let Ok(Some(v)) = db
             .open_tree("meta")
@@ -701,7 +731,8 @@ impl Store {
             flusher: GroupFlush::start(db.clone(), seqs, files),
             desired: tree("desired")?,
             reported: tree("reported")?,
-            outbox: tree("outbox")?,
+            reports_out: tree(REPORTS_TREE)?,
+            events_out: tree(EVENTS_TREE)?,
             event_ids: tree("event_ids")?,
             meta: tree("meta")?,
             db,
@@ -772,18 +803,19 @@ impl Store {
             })
         })
         .and_then(|mut lost| {
-            lost.extend(drop_unreadable(&store.outbox, |k, v| {
-                read_entry(&reported, k, v)
-            })?);
+            for tree in [&store.reports_out, &store.events_out] {
+                lost.extend(drop_unreadable(tree, |k, v| read_entry(&reported, k, v))?);
+            }
             Ok(lost)
-        });
+        })
+        .and_then(|lost| store.move_reports_to_their_flow().map(|()| lost));
         let lost = match dropped {
             Ok(lost) => lost,
             Err(StoreError::Sled(e)) => return Err(failed(e)),
             Err(e) => return Err(OpenError::Unavailable(e)),
         };
         let mut events = 0;
-        for item in store.outbox.iter() {
+        for item in store.events_out.iter() {
             let (k, v) = item.map_err(failed)?;
             if let Ok(OutboxEntry::Event(_)) = decode(&k, &v) {
                 events += 1;
@@ -807,8 +839,8 @@ impl Store {
             .meta
             .insert(META_SEQ_RESERVED, &reserved.to_be_bytes())
             .map_err(failed)?;
-        // One flush for the reservation, a new store's id and schema, and
-        // entries dropped as unreadable.
+        // One flush for the reservation, a new store's id and schema,
+        // entries dropped as unreadable and reports moved to their flow.
         store.seqs.flush(&store.db, &store.files).map_err(failed)?;
         *store.lock_outbox() = OutboxState { events, reserved };
         // Everything in the store when it opens is on disk.
@@ -827,35 +859,42 @@ impl Store {
         } = rescued;
         let mut outbox_state = self.lock_outbox();
         let reserved = self.reserve_seqs(&mut outbox_state, entries.len() as u64)?;
-        let result = (&self.outbox, &self.reported, &self.event_ids, &self.meta).transaction(
-            |(outbox, reported, ids, meta)| {
-                let mut last = 0;
-                for pending in &entries {
-                    let seq = take_seq(meta, reserved)?;
-                    let entry = match pending {
-                        PendingUplink::Report { device, latest } => {
-                            let key = device.to_string();
-                            let latest = LatestReport {
-                                seq,
-                                ..latest.clone()
-                            };
-                            reported.insert(key.as_bytes(), encode(&latest))?;
-                            OutboxEntry::Report { device: key }
-                        }
-                        PendingUplink::Event { stored, .. } => OutboxEntry::Event(stored.clone()),
-                        PendingUplink::EventsDropped(dropped) => {
-                            OutboxEntry::EventsDropped(*dropped)
-                        }
-                    };
-                    outbox.insert(&seq.to_be_bytes(), encode(&entry))?;
-                    last = seq;
-                }
-                for (device, highest) in &event_ids {
-                    ids.insert(device, highest.encode())?;
-                }
-                Ok(last)
-            },
+        let trees = (
+            &self.reports_out,
+            &self.events_out,
+            &self.reported,
+            &self.event_ids,
+            &self.meta,
         );
+        let result = trees.transaction(|(reports_out, events_out, reported, ids, meta)| {
+            let mut last = 0;
+            for pending in &entries {
+                let seq = take_seq(meta, reserved)?;
+                let (out, entry) = match pending {
+                    PendingUplink::Report { device, latest } => {
+                        let key = device.to_string();
+                        let latest = LatestReport {
+                            seq,
+                            ..latest.clone()
+                        };
+                        reported.insert(key.as_bytes(), encode(&latest))?;
+                        (reports_out, OutboxEntry::Report { device: key })
+                    }
+                    PendingUplink::Event { stored, .. } => {
+                        (events_out, OutboxEntry::Event(stored.clone()))
+                    }
+                    PendingUplink::EventsDropped(dropped) => {
+                        (events_out, OutboxEntry::EventsDropped(*dropped))
+                    }
+                };
+                out.insert(&seq.to_be_bytes(), encode(&entry))?;
+                last = seq;
+            }
+            for (device, highest) in &event_ids {
+                ids.insert(device, highest.encode())?;
+            }
+            Ok(last)
+        });
         let last = result.map_err(from_transaction)?;
         self.seqs.written.fetch_max(last, Ordering::SeqCst);
         self.seqs.flush(&self.db, &self.files)?;
@@ -894,7 +933,8 @@ impl Store {
     fn is_empty(&self) -> bool {
         self.desired.is_empty()
             && self.reported.is_empty()
-            && self.outbox.is_empty()
+            && self.reports_out.is_empty()
+            && self.events_out.is_empty()
             && self.event_ids.is_empty()
             && self.meta.is_empty()
     }
@@ -969,25 +1009,29 @@ impl Store {
             .collect();
         // Entries leave the outbox: the outbox's writers take turns.
         let outbox_state = self.lock_outbox();
-        let result = (&self.desired, &self.reported, &self.outbox, &self.event_ids).transaction(
-            |(desired, reported, outbox, event_ids)| {
-                for (key, device) in &upserts {
-                    desired.insert(key.as_bytes(), device.as_slice())?;
-                }
-                for key in removals {
-                    desired.remove(key.to_string().as_bytes())?;
-                }
-                for key in &leaving {
-                    if let Some(bytes) = reported.remove(key.as_bytes())? {
-                        let previous: LatestReport = decode(key.as_bytes(), &bytes)
-                            .map_err(ConflictableTransactionError::Abort)?;
-                        outbox.remove(&previous.seq.to_be_bytes())?;
-                    }
-                    event_ids.remove(key.as_bytes())?;
-                }
-                Ok(())
-            },
+        let trees = (
+            &self.desired,
+            &self.reported,
+            &self.reports_out,
+            &self.event_ids,
         );
+        let result = trees.transaction(|(desired, reported, reports_out, event_ids)| {
+            for (key, device) in &upserts {
+                desired.insert(key.as_bytes(), device.as_slice())?;
+            }
+            for key in removals {
+                desired.remove(key.to_string().as_bytes())?;
+            }
+            for key in &leaving {
+                if let Some(bytes) = reported.remove(key.as_bytes())? {
+                    let previous: LatestReport = decode(key.as_bytes(), &bytes)
+                        .map_err(ConflictableTransactionError::Abort)?;
+                    reports_out.remove(&previous.seq.to_be_bytes())?;
+                }
+                event_ids.remove(key.as_bytes())?;
+            }
+            Ok(())
+        });
         result.map_err(from_transaction)?;
         drop(outbox_state);
         self.flusher.flush().await?;
@@ -1104,8 +1148,8 @@ impl Store {
         let link_up_since = self.link_up_since.load(Ordering::Relaxed);
         let mut outbox_state = self.lock_outbox();
         let reserved = self.reserve_seqs(&mut outbox_state, 1)?;
-        let result =
-            (&self.reported, &self.outbox, &self.meta).transaction(|(reported, outbox, meta)| {
+        let result = (&self.reported, &self.reports_out, &self.meta).transaction(
+            |(reported, outbox, meta)| {
                 let previous = match reported.get(key.as_bytes())? {
                     Some(bytes) => Some(
                         decode::<LatestReport>(key.as_bytes(), &bytes)
@@ -1143,7 +1187,8 @@ impl Store {
                 reported.insert(key.as_bytes(), encode(&latest))?;
                 outbox.insert(&seq.to_be_bytes(), entry.clone())?;
                 Ok((seq, true))
-            });
+            },
+        );
         let (seq, queued) = result.map_err(from_transaction)?;
         if queued {
             self.seqs.written.fetch_max(seq, Ordering::SeqCst);
@@ -1205,7 +1250,7 @@ impl Store {
                 let reserved = self.reserve_seqs(&mut outbox_state, 1)?;
                 ids.record(event.boot, event.id);
                 let ids = ids.encode();
-                let result = (&self.outbox, &self.event_ids, &self.meta).transaction(
+                let result = (&self.events_out, &self.event_ids, &self.meta).transaction(
                     |(outbox, event_ids, meta)| {
                         let seq = take_seq(meta, reserved)?;
                         outbox.insert(&seq.to_be_bytes(), entry.clone())?;
@@ -1249,7 +1294,7 @@ impl Store {
 
     /// The sequence number of the oldest event in the outbox.
     fn oldest_event(&self) -> Result<Option<u64>, StoreError> {
-        for item in self.outbox.iter() {
+        for item in self.events_out.iter() {
             let (k, v) = item?;
             if let OutboxEntry::Event(_) = decode(&k, &v)? {
                 return Ok(Some(u64_from(&k)));
@@ -1259,7 +1304,7 @@ impl Store {
     }
 
     /// Turns the drops not yet reported into an outbox entry, so they go up
-    /// in order with everything else. Returns its sequence number, if there
+    /// in order with the events. Returns its sequence number, if there
     /// were drops.
     pub async fn seal_dropped(&self) -> Result<Option<u64>, StoreError> {
         if !self.meta.contains_key(META_DROPPED_UNREPORTED)? {
@@ -1268,7 +1313,7 @@ impl Store {
         let sealed = {
             let mut outbox_state = self.lock_outbox();
             let reserved = self.reserve_seqs(&mut outbox_state, 1)?;
-            let result = (&self.outbox, &self.meta).transaction(|(outbox, meta)| {
+            let result = (&self.events_out, &self.meta).transaction(|(outbox, meta)| {
                 let Some(dropped) = meta.remove(META_DROPPED_UNREPORTED)? else {
                     return Ok(None);
                 };
@@ -1319,11 +1364,12 @@ impl Store {
             .transpose()
     }
 
-    /// Up to `max` outbox entries after sequence number `after`, in order,
-    /// that are on disk: one only written may still be lost in a crash, and
-    /// must not reach the cloud before it cannot be.
-    pub fn pending_uplink(
+    /// Up to `max` entries of `flow` after sequence number `after`, in
+    /// order, that are on disk: one only written may still be lost in a
+    /// crash, and must not reach the cloud before it cannot be.
+    pub fn pending(
         &self,
+        flow: Flow,
         after: u64,
         max: usize,
     ) -> Result<Vec<(u64, PendingUplink)>, StoreError> {
@@ -1331,7 +1377,7 @@ impl Store {
         if after >= durable {
             return Ok(Vec::new());
         }
-        self.outbox
+        self.flow_tree(flow)
             .range((after + 1).to_be_bytes()..=durable.to_be_bytes())
             .take(max)
             .map(|item| {
@@ -1341,23 +1387,41 @@ impl Store {
             .collect()
     }
 
-    /// The cloud has made everything up to `seq` durable: drop it from the
-    /// outbox. Returns how many entries were removed.
-    pub async fn acknowledge_uplink(&self, seq: u64) -> Result<usize, StoreError> {
+    /// Up to `max` entries of both flows after `after`, in the order they
+    /// were written (see [`Store::pending`]): the whole outbox, as a
+    /// test or a tool looks at it.
+    pub fn pending_uplink(
+        &self,
+        after: u64,
+        max: usize,
+    ) -> Result<Vec<(u64, PendingUplink)>, StoreError> {
+        let mut both = self.pending(Flow::Reports, after, max)?;
+        both.extend(self.pending(Flow::Events, after, max)?);
+        both.sort_by_key(|(seq, _)| *seq);
+        both.truncate(max);
+        Ok(both)
+    }
+
+    /// The cloud has made the reports up to `reports` and the events up to
+    /// `events` durable: drop them from the outbox. Returns how many
+    /// entries were removed.
+    pub async fn acknowledge_uplink(&self, reports: u64, events: u64) -> Result<usize, StoreError> {
         let removed = {
             let mut outbox_state = self.lock_outbox();
-            let mut batch = sled::Batch::default();
-            let (mut removed, mut events) = (0, 0);
-            for item in self.outbox.range(..=seq.to_be_bytes()) {
-                let (k, v) = item?;
-                if let OutboxEntry::Event(_) = decode(&k, &v)? {
-                    events += 1;
+            let (mut removed, mut removed_events) = (0, 0);
+            for (tree, up_to) in [(&self.reports_out, reports), (&self.events_out, events)] {
+                let mut batch = sled::Batch::default();
+                for item in tree.range(..=up_to.to_be_bytes()) {
+                    let (k, v) = item?;
+                    if let OutboxEntry::Event(_) = decode(&k, &v)? {
+                        removed_events += 1;
+                    }
+                    batch.remove(k);
+                    removed += 1;
                 }
-                batch.remove(k);
-                removed += 1;
+                tree.apply_batch(batch)?;
             }
-            self.outbox.apply_batch(batch)?;
-            outbox_state.events = outbox_state.events.saturating_sub(events);
+            outbox_state.events = outbox_state.events.saturating_sub(removed_events);
             removed
         };
         self.flusher.flush().await?;
@@ -1375,12 +1439,60 @@ impl Store {
 
     /// The sequence number of the oldest entry waiting in the outbox.
     pub fn oldest_pending_seq(&self) -> Result<Option<u64>, StoreError> {
-        Ok(self.outbox.first()?.map(|(k, _)| u64_from(&k)))
+        let first =
+            |tree: &sled::Tree| Ok::<_, StoreError>(tree.first()?.map(|(k, _)| u64_from(&k)));
+        Ok([first(&self.reports_out)?, first(&self.events_out)?]
+            .into_iter()
+            .flatten()
+            .min())
     }
 
-    /// Entries waiting in the outbox.
+    /// Entries waiting in the outbox, both flows.
     pub fn outbox_depth(&self) -> usize {
-        self.outbox.len()
+        self.reports_out.len() + self.events_out.len()
+    }
+
+    /// Reports waiting in the outbox.
+    pub fn reports_queued(&self) -> usize {
+        self.reports_out.len()
+    }
+
+    fn flow_tree(&self, flow: Flow) -> &sled::Tree {
+        match flow {
+            Flow::Reports => &self.reports_out,
+            Flow::Events => &self.events_out,
+        }
+    }
+
+    /// A store from before flows kept report entries among the events:
+    /// moves them, under the same sequence numbers, to the reports flow.
+    /// Not durable by itself (opening flushes after it).
+    fn move_reports_to_their_flow(&self) -> Result<(), StoreError> {
+        let mut reports = Vec::new();
+        for item in self.events_out.iter() {
+            let (k, v) = item?;
+            if let Ok(OutboxEntry::Report { .. }) = decode(&k, &v) {
+                reports.push((k, v));
+            }
+        }
+        if reports.is_empty() {
+            return Ok(());
+        }
+        let result = (&self.events_out, &self.reports_out).transaction(
+            |(events, out)| -> ConflictableTransactionResult<(), StoreError> {
+                for (k, v) in &reports {
+                    events.remove(k)?;
+                    out.insert(k, v)?;
+                }
+                Ok(())
+            },
+        );
+        result.map_err(from_transaction)?;
+        tracing::info!(
+            reports = reports.len(),
+            "moved the outbox's reports to a flow of their own"
+        );
+        Ok(())
     }
 }
 

@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 
 use edgefleet_agent::store::{
-    BOOTS_REMEMBERED, DesiredDevice, Dropped, EventOutcome, PendingUplink, SEQ_BLOCK, Store,
+    BOOTS_REMEMBERED, DesiredDevice, Dropped, EventOutcome, Flow, PendingUplink, SEQ_BLOCK, Store,
     StoreError,
 };
 use edgefleet_shared::api::Transport;
@@ -101,6 +101,100 @@ async fn reports_compact_to_the_latest_per_device() {
     assert_eq!(latest.received_at_ms, 3);
 }
 
+fn self_check(id: u64) -> DeviceEvent {
+    DeviceEvent {
+        id,
+        boot: 0,
+        warning: false,
+        reason: "SelfCheck".into(),
+        message: format!("self check {id}"),
+    }
+}
+
+/// Reports and events are two flows: each is read and acknowledged on its
+/// own, so acknowledging the reports leaves every event where it was (and
+/// the other way round), and the sequence numbers still count through both.
+#[tokio::test]
+async fn reports_and_events_are_read_and_acknowledged_apart() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = open(&tmp.path().join("store"));
+    let a = ResourceKey::device("plant", "a");
+    let mut events = Vec::new();
+    let mut reports = Vec::new();
+    for i in 1..=3 {
+        let EventOutcome::Stored { seq, .. } =
+            store.record_event(&a, self_check(i), 1).await.unwrap()
+        else {
+            panic!("a new event is stored");
+        };
+        events.push(seq);
+        let b = ResourceKey::device("plant", format!("b{i}"));
+        reports.push(store.record_report(&b, report(1, 20.0), 1).await.unwrap());
+    }
+    let seqs = |pending: Vec<(u64, PendingUplink)>| -> Vec<u64> {
+        pending.into_iter().map(|(seq, _)| seq).collect()
+    };
+    assert_eq!(seqs(store.pending(Flow::Reports, 0, 10).unwrap()), reports);
+    assert_eq!(seqs(store.pending(Flow::Events, 0, 10).unwrap()), events);
+    let mut both = [events.clone(), reports.clone()].concat();
+    both.sort();
+    assert_eq!(seqs(store.pending_uplink(0, 10).unwrap()), both);
+
+    // Every report acknowledged, no event: the events stay.
+    assert_eq!(store.acknowledge_uplink(reports[2], 0).await.unwrap(), 3);
+    assert_eq!(store.reports_queued(), 0);
+    assert_eq!(store.events_queued(), 3);
+    assert_eq!(seqs(store.pending(Flow::Events, 0, 10).unwrap()), events);
+    // The events flow's own mark removes events only.
+    let c = ResourceKey::device("plant", "c");
+    let late = store.record_report(&c, report(1, 20.0), 2).await.unwrap();
+    assert_eq!(store.acknowledge_uplink(0, late).await.unwrap(), 3);
+    assert_eq!(store.events_queued(), 0);
+    assert_eq!(seqs(store.pending(Flow::Reports, 0, 10).unwrap()), [late]);
+}
+
+/// A store from before flows kept its reports among the events (in the
+/// tree that is now the events flow): opening it moves them to the reports
+/// flow under the same sequence numbers, and nothing is lost.
+#[tokio::test]
+async fn a_store_from_before_flows_opens_with_its_reports_in_their_flow() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("store");
+    let a = ResourceKey::device("plant", "a");
+    let before;
+    {
+        let store = open(&dir);
+        store.record_event(&a, self_check(1), 1).await.unwrap();
+        store.record_report(&a, report(1, 20.0), 1).await.unwrap();
+        store.record_event(&a, self_check(2), 1).await.unwrap();
+        before = store.pending_uplink(0, 10).unwrap();
+    }
+    {
+        // The layout of an older agent: one tree for both.
+        let db = sled::open(&dir).unwrap();
+        let (old, reports) = (
+            db.open_tree("outbox").unwrap(),
+            db.open_tree("report_outbox").unwrap(),
+        );
+        for item in reports.iter() {
+            let (k, v) = item.unwrap();
+            old.insert(k.clone(), v).unwrap();
+            reports.remove(k).unwrap();
+        }
+        db.flush().unwrap();
+    }
+    let store = open(&dir);
+    assert_eq!(store.pending_uplink(0, 10).unwrap(), before);
+    assert_eq!(store.reports_queued(), 1);
+    assert_eq!(store.events_queued(), 2);
+    let report_seq = before[1].0;
+    assert_eq!(
+        store.pending(Flow::Reports, 0, 10).unwrap(),
+        [before[1].clone()],
+        "the report is in its flow under seq {report_seq}"
+    );
+}
+
 #[tokio::test]
 async fn the_outbox_drains_only_up_to_the_acknowledged_seq() {
     let tmp = tempfile::tempdir().unwrap();
@@ -118,7 +212,7 @@ async fn the_outbox_drains_only_up_to_the_acknowledged_seq() {
                     .unwrap(),
             );
         }
-        assert_eq!(store.acknowledge_uplink(seqs[2]).await.unwrap(), 3);
+        assert_eq!(store.acknowledge_uplink(seqs[2], seqs[2]).await.unwrap(), 3);
         let left: Vec<u64> = store
             .pending_uplink(0, 100)
             .unwrap()
@@ -287,7 +381,7 @@ async fn events_stay_in_order_once_each_and_survive_a_reopen() {
     );
     // Acknowledging the first three entries leaves the rest, in order.
     let third = store.pending_uplink(0, 3).unwrap()[2].0;
-    store.acknowledge_uplink(third).await.unwrap();
+    store.acknowledge_uplink(third, third).await.unwrap();
     assert_eq!(store.events_queued(), 2);
     assert_eq!(
         pending_events(&store),
@@ -436,7 +530,7 @@ async fn at_the_bound_the_oldest_event_is_dropped_counted_and_reported_once() {
         })
     );
     // Once acknowledged the notice is gone; the lifetime total stays.
-    store.acknowledge_uplink(sealed).await.unwrap();
+    store.acknowledge_uplink(sealed, sealed).await.unwrap();
     assert_eq!(store.outbox_depth(), 0);
     assert_eq!(store.events_queued(), 0);
     assert_eq!(store.events_dropped_total().unwrap(), 2);
@@ -452,7 +546,7 @@ async fn an_unchanged_report_queues_again_only_as_a_keepalive_while_connected() 
         .record_report(&a, report(1, 20.0), 1_000)
         .await
         .unwrap();
-    store.acknowledge_uplink(first).await.unwrap();
+    store.acknowledge_uplink(first, first).await.unwrap();
 
     // Offline: the same content, however late, queues nothing; it is heard.
     let later = 1_000 + 10 * KEEPALIVE;
@@ -740,7 +834,7 @@ async fn one_unreadable_outbox_value_is_dropped_and_the_store_kept() {
     assert_eq!(store.events_queued(), 0);
     // Acknowledging past it works.
     let last = store.last_seq().unwrap();
-    assert_eq!(store.acknowledge_uplink(last).await.unwrap(), 2);
+    assert_eq!(store.acknowledge_uplink(last, last).await.unwrap(), 2);
 }
 
 #[tokio::test]

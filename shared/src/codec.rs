@@ -78,7 +78,10 @@ pub struct DeviceEvent {
     /// Assigned by the device, strictly increasing per device and boot,
     /// starting at 1. The agent keeps the highest it stored per boot, so a
     /// resend of an event it already holds is acknowledged and not stored
-    /// twice.
+    /// twice. That needs the device to send its events in order: the
+    /// oldest it has not seen acknowledged, again until it is, and a later
+    /// one only after that (a later id stored first would make the agent
+    /// take the earlier one for a resend).
     #[serde(rename = "id")]
     pub id: u64,
     /// The device's boot epoch: a number the device picks at every boot

@@ -15,6 +15,45 @@ pub use generated::*;
 /// bounded however large its outbox.
 pub const UPLINK_WINDOW: usize = 2048;
 
+/// Most entries of one flow an agent has in flight: half the window each,
+/// so reports always have room while events wait, and together they stay
+/// within [`UPLINK_WINDOW`].
+pub const FLOW_WINDOW: usize = UPLINK_WINDOW / 2;
+
+/// The two uplink flows, acknowledged apart (see [`UplinkAck`]): status
+/// never waits behind a backlog of events.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Flow {
+    /// Reports: status writes.
+    Reports,
+    /// Events and notices of events dropped.
+    Events,
+}
+
+impl Flow {
+    /// Both flows, reports first (what an agent sends first).
+    pub const ALL: [Flow; 2] = [Flow::Reports, Flow::Events];
+
+    /// The flow an uplink entry belongs to.
+    pub fn of(body: &uplink_entry::Body) -> Flow {
+        match body {
+            uplink_entry::Body::Report(_) => Flow::Reports,
+            uplink_entry::Body::Event(_) | uplink_entry::Body::EventsDropped(_) => Flow::Events,
+        }
+    }
+}
+
+impl UplinkAck {
+    /// Up to where entries of `flow` are acknowledged: its own mark, or
+    /// the mark of both flows, whichever is further.
+    pub fn of(&self, flow: Flow) -> u64 {
+        self.seq.max(match flow {
+            Flow::Reports => self.reports_seq,
+            Flow::Events => self.events_seq,
+        })
+    }
+}
+
 use crate::property::PropertyValue as Value;
 use crate::version::ResourceVersion as Version;
 
@@ -106,6 +145,7 @@ mod tests {
                 store_id: "s1".into(),
                 held_digest: vec![7; 16],
                 held_count: 1,
+                uplink_flows: true,
             })),
         };
         let back = AgentMessage::decode(hello.encode_to_vec().as_slice()).unwrap();

@@ -467,6 +467,73 @@ async fn one_sites_event_backlog_does_not_hold_back_another_sites_events() {
     .await;
 }
 
+/// Reports and events are two flows acknowledged apart: a report made while
+/// a backlog of events is still being created reaches status at once, and
+/// leaves the agent's outbox at once. (With one window and one watermark
+/// for both, the report waited for room behind 2,048 events in flight, and
+/// its acknowledgement for every event before it.)
+#[tokio::test]
+async fn a_report_reaches_status_without_waiting_behind_an_event_backlog() {
+    const BACKLOG: u64 = proto::UPLINK_WINDOW as u64 + 452;
+    let client = control_plane().client().await;
+    let ns = test_namespace(&client, "sync-flows").await;
+    // The backlog takes 50 s to create at this rate.
+    let controller = start_controller_with(&client, &ns, 50).await;
+    let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
+    let node = node_name("edge-flows");
+    create_thermostat(&devices, "t1", &node, 20.0).await;
+    let key = ResourceKey::device(&ns, "t1");
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("store")).unwrap().store;
+    for id in 1..=BACKLOG {
+        store
+            .record_event(&key, event(id), 1_700_000_000_000)
+            .await
+            .unwrap();
+    }
+    let created = || {
+        let (client, ns) = (client.clone(), ns.clone());
+        async move {
+            let ids = edge_events::device_event_ids(&client, &ns).await.ok()?;
+            Some(ids.get("t1").map_or(0, Vec::len))
+        }
+    };
+    let _agent = start_agent(&controller, &node, &store);
+    eventually("the backlog is being created", || async {
+        (created().await? >= 10).then_some(())
+    })
+    .await;
+
+    let report = DeviceReport {
+        applied_generation: 1,
+        properties: BTreeMap::from([("temperature".to_owned(), PropertyValue::Float(19.5))]),
+        firmware_version: None,
+    };
+    store
+        .record_report(&key, report.clone(), edgefleet_shared::now_unix_ms())
+        .await
+        .unwrap();
+    eventually("status shows the report", || async {
+        let s = devices.get("t1").await.unwrap().status?;
+        (s.reported == report.properties).then_some(())
+    })
+    .await;
+    let created_by_then = created().await.unwrap();
+    assert!(
+        created_by_then < 300,
+        "the report reached status only after {created_by_then} of the {BACKLOG} events"
+    );
+    eventually("the report leaves the outbox", || async {
+        (store.reports_queued() == 0).then_some(())
+    })
+    .await;
+    let waiting = store.events_queued();
+    assert!(
+        waiting > BACKLOG - 300,
+        "the report was acknowledged only when {waiting} of {BACKLOG} events were left"
+    );
+}
+
 #[tokio::test]
 async fn device_events_become_kubernetes_events_once_each_and_drops_are_reported() {
     let Setup {

@@ -38,7 +38,7 @@ pub mod session;
 
 pub use session::{
     Accepted, Effect, Holdings, MAX_RESOURCES_PER_UPDATE, Opening, Session, SessionError,
-    UplinkWatermark,
+    UplinkMarks, UplinkWatermark,
 };
 
 /// How often the cloud sends a heartbeat by default.
@@ -329,6 +329,7 @@ impl Driver {
         let known = self.known_holdings(opening);
         let slice = self.desired.borrow_and_update().clone();
         let (mut session, effects) = Session::open(&self.node, &self.store_id, slice, known);
+        session.set_uplink_flows(hello.uplink_flows);
         let (metrics, node) = (Arc::clone(&self.metrics), self.node.clone());
         let talk = async {
             self.carry_out(effects, &tx, &done_tx, &figures).await?;

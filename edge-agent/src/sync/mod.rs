@@ -288,8 +288,8 @@ async fn talk(
                         tracing::debug!(upserts = upserts.len(), removals = removals.len(), "update stored");
                         send(&tx, reply).await?;
                     }
-                    Step::UplinkAcked(seq) => {
-                        store.acknowledge_uplink(seq).await?;
+                    Step::UplinkAcked { reports, events } => {
+                        store.acknowledge_uplink(reports, events).await?;
                     }
                     Step::ListHoldings => {
                         tracing::info!(cloud = %settings.cloud, "the cloud asked what this agent holds");
@@ -331,8 +331,8 @@ impl Drop for LinkUp {
 }
 
 /// Sends outbox entries not sent yet in this session, in batches, as long
-/// as the window has room; events dropped at the bound since the last call
-/// go up as an entry of their own.
+/// as each flow's window has room, reports first; events dropped at the
+/// bound since the last call go up as an entry of their own.
 async fn send_outbox(
     store: &Store,
     tx: &mpsc::Sender<proto::AgentMessage>,
@@ -344,18 +344,21 @@ async fn send_outbox(
             "events were dropped at the outbox bound; telling the cloud"
         );
     }
-    loop {
-        let (after, room) = core.next_batch(UPLINK_BATCH);
-        if room == 0 {
-            return Ok(());
+    for flow in proto::Flow::ALL {
+        loop {
+            let (after, room) = core.next_batch(flow, UPLINK_BATCH);
+            if room == 0 {
+                break;
+            }
+            let batch = store.pending(flow, after, room)?;
+            if batch.is_empty() {
+                break;
+            }
+            let uplink = core.uplink(batch);
+            send(tx, agent_message::Kind::Uplink(uplink)).await?;
         }
-        let batch = store.pending_uplink(after, room)?;
-        if batch.is_empty() {
-            return Ok(());
-        }
-        let uplink = core.uplink(batch);
-        send(tx, agent_message::Kind::Uplink(uplink)).await?;
     }
+    Ok(())
 }
 
 async fn send(

@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, VecDeque};
 use edgefleet_shared::api::Transport;
 use edgefleet_shared::codec::FirmwareOrder;
 use edgefleet_shared::holdings::HoldingsDigest;
-use edgefleet_shared::proto::{self, agent_message, cloud_message, resource, uplink_entry};
+use edgefleet_shared::proto::{self, Flow, agent_message, cloud_message, resource, uplink_entry};
 use edgefleet_shared::{PropertyValue, ResourceKey, ResourceVersion};
 
 use crate::store::{DesiredDevice, PendingUplink};
@@ -32,19 +32,25 @@ pub enum Step {
         /// The Ack, or the Nack naming what was refused.
         reply: agent_message::Kind,
     },
-    /// The cloud made every uplink entry up to this one durable: drop them
-    /// from the outbox.
-    UplinkAcked(u64),
+    /// The cloud made the reports up to `reports` and the events up to
+    /// `events` durable: drop them from the outbox.
+    UplinkAcked {
+        /// Reports acknowledged up to this sequence number.
+        reports: u64,
+        /// Events acknowledged up to this sequence number.
+        events: u64,
+    },
     /// The cloud asks what the store holds: send [`inventory`].
     ListHoldings,
     /// Nothing to do (a heartbeat).
     Nothing,
 }
 
-/// The agent's side of one session: the uplink window.
+/// The agent's side of one session: the uplink window of each flow.
 #[derive(Debug, Default)]
 pub struct Session {
-    in_flight: InFlight,
+    reports: InFlight,
+    events: InFlight,
 }
 
 impl Session {
@@ -53,24 +59,39 @@ impl Session {
         match message.kind {
             Some(cloud_message::Kind::Update(update)) => plan_update(update),
             Some(cloud_message::Kind::UplinkAck(ack)) => {
-                self.in_flight.acknowledged(ack.seq);
-                Step::UplinkAcked(ack.seq)
+                let (reports, events) = (ack.of(Flow::Reports), ack.of(Flow::Events));
+                self.reports.acknowledged(reports);
+                self.events.acknowledged(events);
+                Step::UplinkAcked { reports, events }
             }
             Some(cloud_message::Kind::InventoryRequest(_)) => Step::ListHoldings,
             Some(cloud_message::Kind::Heartbeat(_)) | None => Step::Nothing,
         }
     }
 
-    /// Where the next uplink batch starts (entries after this sequence
-    /// number) and how many entries it may hold.
-    pub fn next_batch(&self, max: usize) -> (u64, usize) {
-        (self.in_flight.sent_up_to(), self.in_flight.room().min(max))
+    /// Where the next uplink batch of `flow` starts (entries after this
+    /// sequence number) and how many entries it may hold.
+    pub fn next_batch(&self, flow: Flow, max: usize) -> (u64, usize) {
+        let in_flight = self.in_flight(flow);
+        (in_flight.sent_up_to(), in_flight.room().min(max))
+    }
+
+    fn in_flight(&self, flow: Flow) -> &InFlight {
+        match flow {
+            Flow::Reports => &self.reports,
+            Flow::Events => &self.events,
+        }
     }
 
     /// The Uplink message for a batch read from the outbox; the entries
-    /// count as in flight from now on.
+    /// count as in flight (each in its flow) from now on.
     pub fn uplink(&mut self, batch: Vec<(u64, PendingUplink)>) -> proto::Uplink {
-        self.in_flight.sent(batch.iter().map(|(seq, _)| *seq));
+        for (seq, pending) in &batch {
+            match pending.flow() {
+                Flow::Reports => self.reports.sent([*seq]),
+                Flow::Events => self.events.sent([*seq]),
+            }
+        }
         proto::Uplink {
             entries: batch
                 .into_iter()
@@ -101,6 +122,7 @@ pub fn hello<'a>(
         store_id: store_id.to_owned(),
         held_digest: digest.to_bytes(),
         held_count: digest.count(),
+        uplink_flows: true,
     }
 }
 
@@ -196,8 +218,8 @@ fn desired_device(resource: &proto::Resource) -> Result<(ResourceKey, DesiredDev
     ))
 }
 
-/// The uplink entries sent in this session and not yet acknowledged, at
-/// most [`proto::UPLINK_WINDOW`].
+/// The uplink entries of one flow sent in this session and not yet
+/// acknowledged, at most [`proto::FLOW_WINDOW`].
 #[derive(Debug, Default)]
 pub struct InFlight {
     seqs: VecDeque<u64>,
@@ -212,7 +234,7 @@ impl InFlight {
 
     /// How many more entries may go now.
     pub fn room(&self) -> usize {
-        proto::UPLINK_WINDOW.saturating_sub(self.seqs.len())
+        proto::FLOW_WINDOW.saturating_sub(self.seqs.len())
     }
 
     pub fn sent(&mut self, seqs: impl IntoIterator<Item = u64>) {
@@ -322,16 +344,91 @@ mod tests {
     #[test]
     fn the_window_closes_when_full_and_opens_with_acknowledgements() {
         let mut in_flight = InFlight::default();
-        assert_eq!(in_flight.room(), proto::UPLINK_WINDOW);
+        assert_eq!(in_flight.room(), proto::FLOW_WINDOW);
         // Sequence numbers have gaps where reports were compacted.
-        in_flight.sent((1..=proto::UPLINK_WINDOW as u64).map(|n| n * 2));
+        in_flight.sent((1..=proto::FLOW_WINDOW as u64).map(|n| n * 2));
         assert_eq!(in_flight.room(), 0);
-        assert_eq!(in_flight.sent_up_to, proto::UPLINK_WINDOW as u64 * 2);
+        assert_eq!(in_flight.sent_up_to, proto::FLOW_WINDOW as u64 * 2);
         in_flight.acknowledged(9); // covers 2, 4, 6, 8
         assert_eq!(in_flight.room(), 4);
         in_flight.acknowledged(9); // a repeated acknowledgement frees nothing
         assert_eq!(in_flight.room(), 4);
         in_flight.acknowledged(u64::MAX);
-        assert_eq!(in_flight.room(), proto::UPLINK_WINDOW);
+        assert_eq!(in_flight.room(), proto::FLOW_WINDOW);
+    }
+
+    fn event(seq: u64) -> (u64, PendingUplink) {
+        let stored = crate::store::StoredEvent {
+            device: "device/plant/a".into(),
+            at_ms: 0,
+            uid: "uid-a".into(),
+            event: edgefleet_shared::codec::DeviceEvent {
+                id: seq,
+                boot: 0,
+                warning: false,
+                reason: "SelfCheck".into(),
+                message: String::new(),
+            },
+        };
+        let device = ResourceKey::device("plant", "a");
+        (seq, PendingUplink::Event { device, stored })
+    }
+
+    fn report(seq: u64) -> (u64, PendingUplink) {
+        let latest = crate::store::LatestReport {
+            seq,
+            received_at_ms: 0,
+            queued_at_ms: 0,
+            uid: "uid-a".into(),
+            report: edgefleet_shared::codec::DeviceReport {
+                applied_generation: 1,
+                properties: BTreeMap::new(),
+                firmware_version: None,
+            },
+        };
+        let device = ResourceKey::device("plant", "a");
+        (seq, PendingUplink::Report { device, latest })
+    }
+
+    fn ack(seq: u64, reports_seq: u64, events_seq: u64) -> proto::CloudMessage {
+        proto::CloudMessage {
+            kind: Some(cloud_message::Kind::UplinkAck(proto::UplinkAck {
+                seq,
+                reports_seq,
+                events_seq,
+            })),
+        }
+    }
+
+    #[test]
+    fn a_full_window_of_events_leaves_the_reports_window_open() {
+        let mut session = Session::default();
+        let events = (1..=proto::FLOW_WINDOW as u64).map(event).collect();
+        session.uplink(events);
+        assert_eq!(session.next_batch(Flow::Events, 256).1, 0);
+        let after = proto::FLOW_WINDOW as u64;
+        assert_eq!(session.next_batch(Flow::Reports, 256), (0, 256));
+        session.uplink(vec![report(after + 1)]);
+        // The cloud made the report durable, none of the events.
+        let step = session.received(ack(0, after + 1, 0));
+        assert_eq!(
+            step,
+            Step::UplinkAcked {
+                reports: after + 1,
+                events: 0
+            }
+        );
+        assert_eq!(session.next_batch(Flow::Reports, 256), (after + 1, 256));
+        assert_eq!(session.next_batch(Flow::Events, 256).1, 0);
+        // A cloud that knows no flows acknowledges both up to one point.
+        let step = session.received(ack(10, 0, 0));
+        assert_eq!(
+            step,
+            Step::UplinkAcked {
+                reports: 10,
+                events: 10
+            }
+        );
+        assert_eq!(session.next_batch(Flow::Events, 256).1, 10);
     }
 }

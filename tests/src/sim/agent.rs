@@ -111,7 +111,7 @@ impl Agent {
                 self.waiting = Some(reply);
                 Ok(None)
             }
-            Step::UplinkAcked(_) | Step::Nothing => Ok(None),
+            Step::UplinkAcked { .. } | Step::Nothing => Ok(None),
             Step::ListHoldings => {
                 let held: Vec<_> = self.held(false).into_iter().collect();
                 Ok(Some(wrap(agent_message::Kind::Inventory(
