@@ -1,16 +1,19 @@
-//! The simulated API server: Devices with uid, generation, node and the one
-//! status field the sync protocol feeds back (`deliveredGeneration`), and
-//! the churn a fleet update causes — creates, spec changes, deletes,
-//! delete-and-recreate under the same name, moves between nodes, specs the
-//! agent refuses.
+//! The simulated API server: Devices with uid, generation, node and a
+//! status changed by the controller's own rules (`next_status`), the
+//! devices' Events by name, and the churn a fleet update causes — creates,
+//! spec changes, deletes, delete-and-recreate under the same name, moves
+//! between nodes, specs the agent refuses.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
+use edgefleet_cloud::device_events::DeviceEvent;
 use edgefleet_cloud::index::{IndexedDevice, NodeSlice};
+use edgefleet_cloud::status::{StatusChange, next_status};
 use edgefleet_cloud::sync::Holdings;
 use edgefleet_shared::api::{Device, DeviceSpec, DeviceStatus, Transport};
-use edgefleet_shared::{ResourceKey, ResourceVersion, proto};
+use edgefleet_shared::{PropertyValue, ResourceKey, ResourceVersion, proto};
+use k8s_openapi::jiff::Timestamp;
 use rand::RngExt;
 use rand_chacha::ChaCha8Rng;
 
@@ -29,8 +32,8 @@ pub struct SimDevice {
     /// False for a spec the agent must refuse (the simulator sends it with
     /// no transport, which no agent accepts).
     pub valid: bool,
-    /// `status.deliveredGeneration` (for this uid).
-    pub delivered: Option<i64>,
+    /// Its status.
+    pub status: DeviceStatus,
 }
 
 impl SimDevice {
@@ -40,11 +43,16 @@ impl SimDevice {
     }
 }
 
-/// The Devices, by key.
+/// The Devices, by key, and the devices' Events.
 #[derive(Clone, Debug, Default)]
 pub struct Api {
     /// Every Device.
     pub devices: BTreeMap<ResourceKey, SimDevice>,
+    /// Device Events by name: their message.
+    pub events: BTreeMap<String, String>,
+    /// Devices (by uid) that ever moved to another node: what their old
+    /// node had not sent up yet is refused there, by design.
+    pub moved: BTreeSet<String>,
     next_uid: u64,
 }
 
@@ -68,10 +76,7 @@ impl Api {
         device.metadata.namespace = Some(key.namespace.clone());
         device.metadata.uid = Some(d.uid.clone());
         device.metadata.generation = Some(d.generation);
-        device.status = Some(DeviceStatus {
-            delivered_generation: d.delivered,
-            ..Default::default()
-        });
+        device.status = Some(d.status.clone());
         device
     }
 
@@ -102,13 +107,65 @@ impl Api {
         edgefleet_cloud::agents::delivered_to(node, &devices)
     }
 
-    /// A status write `Delivered{uid, generation}`: it lands only on the
-    /// object with that uid (a recreated Device is another object), and
-    /// never moves the generation back.
-    pub fn record_delivered(&mut self, key: &ResourceKey, uid: &str, generation: i64) {
-        if let Some(d) = self.devices.get_mut(key).filter(|d| d.uid == uid) {
-            d.delivered = Some(d.delivered.map_or(generation, |g| g.max(generation)));
+    /// A status write of `change`, by the controller's rules: it changes
+    /// only the object it is about (a recreated Device is another object),
+    /// never moves a generation back, and never shows an older report of
+    /// a store over a newer one. A status that then shows a report about
+    /// another object is a violation.
+    pub fn write_status(&mut self, key: &ResourceKey, change: StatusChange) -> Result<(), String> {
+        let Some(d) = self.devices.get_mut(key) else {
+            return Ok(());
+        };
+        d.status = next_status(
+            &d.status,
+            &[change],
+            &d.uid,
+            d.generation,
+            Timestamp::UNIX_EPOCH,
+        );
+        match d.status.reported.get("about") {
+            Some(PropertyValue::String(about)) if *about != d.uid => Err(format!(
+                "the status of {key} ({}) shows a report about {about}",
+                d.uid
+            )),
+            _ => Ok(()),
         }
+    }
+
+    /// Creates a device's Event, named as the controller names it; a name
+    /// that exists already is a resend (409 AlreadyExists), which must
+    /// carry the same event.
+    pub fn create_event(&mut self, event: &DeviceEvent) -> Result<(), String> {
+        let (_, object) = edgefleet_cloud::device_events::device_event(event);
+        let name = object.metadata.name.unwrap_or_default();
+        let note = object.note.unwrap_or_default();
+        match self.events.get(&name) {
+            None => {
+                self.events.insert(name, note);
+                Ok(())
+            }
+            Some(existing) if *existing == note => Ok(()),
+            Some(existing) => Err(format!(
+                "Event {name} holds {existing:?}, so {note:?} was never shown"
+            )),
+        }
+    }
+
+    /// The name of the Event of a device's event.
+    pub fn event_name(key: &ResourceKey, uid: &str, boot: u64, id: u64) -> String {
+        let event = DeviceEvent {
+            device: key.clone(),
+            uid: uid.to_owned(),
+            node: String::new(),
+            id,
+            boot,
+            warning: false,
+            reason: "SelfCheck".into(),
+            message: String::new(),
+            at_ms: 0,
+        };
+        let (_, object) = edgefleet_cloud::device_events::device_event(&event);
+        object.metadata.name.unwrap_or_default()
     }
 
     fn new_uid(&mut self) -> String {
@@ -129,7 +186,7 @@ impl Api {
                 generation: 1,
                 node,
                 valid,
-                delivered: None,
+                status: DeviceStatus::default(),
             };
             let text = format!(
                 "create {key} {} on {} valid={valid}",
@@ -161,7 +218,7 @@ impl Api {
                         node
                     },
                     valid,
-                    delivered: None,
+                    status: DeviceStatus::default(),
                 };
                 let text = format!(
                     "recreate {key} ({} -> {}) on {}",
@@ -177,6 +234,7 @@ impl Api {
                 // Moving a Device changes its spec: a new generation.
                 d.generation += 1;
                 d.node = node;
+                self.moved.insert(d.uid.clone());
                 format!("move {key} to {} at {}", d.node, d.version())
             }
         }

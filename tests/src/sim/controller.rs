@@ -1,11 +1,13 @@
 //! The simulated controller: the production cloud session core and agent
 //! registry, over a watch view of the simulated API server that may lag
-//! it, with status writes that wait their turn and die with the process.
+//! it, with status writes and Events that wait their turn (in any order,
+//! as the status writer's and the Event workers' concurrency allows), may
+//! fail and be retried, and die with the process.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use edgefleet_cloud::agents::Agents;
-use edgefleet_cloud::sync::{Effect, Opening, Session};
+use edgefleet_cloud::sync::{Accepted, Effect, Opening, Session};
 use edgefleet_shared::ResourceKey;
 use edgefleet_shared::proto::{self, agent_message};
 
@@ -30,6 +32,9 @@ pub struct Controller {
     pub pending_status: Vec<(ResourceKey, String, i64)>,
     /// Every refusal ever recorded (Kubernetes Events outlive the process).
     pub refusals: BTreeSet<(ResourceKey, String)>,
+    /// Uplink entries accepted and not yet durable: the stream and session
+    /// they came on, their sequence number, what to write.
+    pub pending_uplink: Vec<(u64, u64, u64, Accepted)>,
 }
 
 impl Controller {
@@ -44,6 +49,7 @@ impl Controller {
             store_ids: BTreeMap::new(),
             pending_status: Vec::new(),
             refusals: BTreeSet::new(),
+            pending_uplink: Vec::new(),
         }
     }
 
@@ -64,6 +70,7 @@ impl Controller {
         }
         self.agents = Agents::default();
         self.pending_status.clear();
+        self.pending_uplink.clear();
     }
 
     /// Starts again and relists.
@@ -115,13 +122,38 @@ impl Controller {
             || self.view.delivered_to(&hello.node),
         );
         let slice = self.view.slice(&hello.node);
-        let (session, effects) = Session::open(&hello.node, &hello.store_id, slice, known);
+        let (mut session, effects) = Session::open(&hello.node, &hello.store_id, slice, known);
+        session.set_uplink_flows(hello.uplink_flows);
         self.sessions.insert(conn, (id, session));
         if let Some(c) = net.conns.get_mut(&conn) {
             c.session = Some(id);
         }
         self.store_ids.insert(id, hello.store_id);
         self.carry_out(conn, effects, net)
+    }
+
+    /// Makes the pending uplink entry `i` durable in `api`, and tells its
+    /// session, if that is still open.
+    pub fn write_uplink(
+        &mut self,
+        i: usize,
+        api: &mut Api,
+        net: &mut Network,
+    ) -> Result<(), String> {
+        let (conn, id, seq, entry) = self.pending_uplink.remove(i);
+        match entry {
+            Accepted::Status(key, change) => api.write_status(&key, change)?,
+            Accepted::Event(event) => api.create_event(&event)?,
+            Accepted::Dropped(_) => {}
+        }
+        let Some((current, session)) = self.sessions.get_mut(&conn) else {
+            return Ok(());
+        };
+        if *current == id {
+            let effects = session.uplink_durable(seq).into_iter().collect();
+            self.carry_out(conn, effects, net);
+        }
+        Ok(())
     }
 
     /// Sessions a newer session of their node has superseded.
@@ -170,7 +202,8 @@ impl Controller {
                 Effect::Refused { key, version, .. } => {
                     self.refusals.insert((key, version.to_string()));
                 }
-                Effect::Uplink { .. } | Effect::Counted(_) | Effect::Figures { .. } => {}
+                Effect::Uplink { seq, entry } => self.pending_uplink.push((conn, id, seq, entry)),
+                Effect::Counted(_) | Effect::Figures { .. } => {}
             }
         }
         true

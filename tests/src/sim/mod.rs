@@ -2,14 +2,16 @@
 //!
 //! One seeded scheduler drives one controller and several agents through
 //! the very state machines production runs (`edgefleet_cloud::sync::Session`,
-//! `edgefleet_agent::sync::Session`, the controller's agent registry and
-//! index conversions), over a simulated network, API server and disk. At
-//! each step it picks one enabled action at random: deliver a message,
-//! flush an agent's store, let the controller's watch catch up, make a
-//! queued status write, change the fleet (create, update, delete,
-//! delete-and-recreate, move, a spec the agent refuses), cut a stream,
-//! duplicate a message, crash an agent (losing what it had not flushed) or
-//! the controller (losing its memory and queued writes), restart either.
+//! `edgefleet_agent::sync::Session`, the controller's agent registry, index
+//! conversions, status rules and Event names), over a simulated network,
+//! API server and disk. At each step it picks one enabled action at random:
+//! deliver a message, flush an agent's store, let the controller's watch
+//! catch up, make a queued status write or Event (or fail it), change the
+//! fleet (create, update, delete, delete-and-recreate, move, a spec the
+//! agent refuses), let a device report, raise an event, send an event
+//! again or reboot (its event ids start over), cut a stream, duplicate a
+//! message, crash an agent (losing what it had not flushed) or the
+//! controller (losing its memory and queued writes), restart either.
 //!
 //! After the faulty phase the world quiesces (no more faults or churn;
 //! everything restarts and every message is delivered) and the invariants
@@ -23,17 +25,32 @@
 //!   latest uid and generation, except a spec it refused, which it never
 //!   holds and which the controller recorded as refused;
 //! - nothing deleted or moved away is still held;
-//! - every Device's status says its latest generation was delivered.
+//! - every Device's status says its latest generation was delivered;
+//! - a Device's status only ever shows a report about that object (checked
+//!   at every write);
+//! - newest report wins: a Device's status shows the latest report its
+//!   agent holds for it;
+//! - every event an agent answered as stored reaches the cloud as an Event
+//!   of its own (its name holds that event, never another);
+//! - every outbox drains.
+//!
+//! A device's reports and events that its node had not sent up when its
+//! Device was deleted, replaced or moved away are refused by design; the
+//! last three invariants hold for Devices that stayed where they were.
 
 mod agent;
 mod api;
 mod controller;
 mod network;
 
+use std::collections::{BTreeMap, BTreeSet};
+
+use edgefleet_cloud::status::StatusChange;
+use edgefleet_shared::ResourceKey;
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use agent::Agent;
+use agent::{Agent, Answered};
 use api::Api;
 use controller::Controller;
 use network::Network;
@@ -57,7 +74,7 @@ impl Default for Config {
         Config {
             nodes: 3,
             names: 8,
-            steps: 300,
+            steps: 400,
             sabotage: None,
         }
     }
@@ -71,6 +88,17 @@ pub enum Sabotage {
     RefuseWholeUpdate,
     /// Ignores removals.
     KeepRemoved,
+    /// Recognises a resent event by its id alone, not by boot and id, so
+    /// a device's events after a reboot are taken for resends (the
+    /// agent's behaviour before boot epochs).
+    IgnoreBootEpochs,
+    /// Keys reports by name: keeps a device's report when its Device is
+    /// replaced and sends it as about the uid held at sending (the
+    /// agent's behaviour before reports carried their uid).
+    ReportsByName,
+    /// Takes the further of the two flows' acknowledgements for both,
+    /// dropping entries the cloud has not made durable.
+    OneMarkForBothFlows,
 }
 
 /// What one run did.
@@ -88,6 +116,10 @@ pub struct Stats {
     pub agent_crashes: u64,
     /// Controller crashes.
     pub controller_crashes: u64,
+    /// Reports devices made.
+    pub reports: u64,
+    /// Events devices raised or sent again.
+    pub events: u64,
 }
 
 /// A run that broke an invariant.
@@ -132,8 +164,22 @@ enum Action {
     RestartController,
     Watch,
     WriteStatus,
+    WriteUplink,
+    DeviceSays(usize),
     Churn,
     Cut(u64),
+}
+
+/// A device as the simulator plays it, keeping the device contract: its
+/// boot epoch, its next event id in that boot, and the events it raised
+/// that the agent has not confirmed, oldest first. A device sends the
+/// oldest of those until it is confirmed, and raises a new one only when
+/// none is left.
+#[derive(Debug, Default)]
+struct Life {
+    boot: u64,
+    next_id: u64,
+    unconfirmed: std::collections::VecDeque<(u64, u64)>,
 }
 
 struct World {
@@ -149,6 +195,17 @@ struct World {
     net: Network,
     stats: Stats,
     trace: Option<Vec<String>>,
+    // Devices by agent and key.
+    lives: BTreeMap<(usize, ResourceKey), Life>,
+    // Events agents answered as stored.
+    answered: BTreeSet<Answered>,
+    // Makes every report unique.
+    reports_made: i64,
+    // Boot epochs handed out: each boot of each device has its own, as
+    // random 64-bit epochs do.
+    boots: u64,
+    // In the faulty phase.
+    faulty: bool,
 }
 
 impl World {
@@ -167,14 +224,21 @@ impl World {
             net: Network::default(),
             stats: Stats::default(),
             trace: trace.then(Vec::new),
+            lives: BTreeMap::new(),
+            answered: BTreeSet::new(),
+            reports_made: 0,
+            boots: 0,
+            faulty: false,
         }
     }
 
     fn play(&mut self) -> Result<(), String> {
+        self.faulty = true;
         for _ in 0..self.config.steps {
             let actions = self.enabled(true);
             self.take(&actions)?;
         }
+        self.faulty = false;
         self.note("-- quiescence".into());
         if !self.ctl.up {
             self.act(Action::RestartController)?;
@@ -244,6 +308,9 @@ impl World {
                 }
                 if faulty {
                     actions.push((Action::CrashAgent(i), 1));
+                    if !agent.current.desired.is_empty() {
+                        actions.push((Action::DeviceSays(i), 5));
+                    }
                 }
             } else {
                 actions.push((Action::RestartAgent(i), 5));
@@ -255,6 +322,9 @@ impl World {
             }
             if !self.ctl.pending_status.is_empty() {
                 actions.push((Action::WriteStatus, 10));
+            }
+            if !self.ctl.pending_uplink.is_empty() {
+                actions.push((Action::WriteUplink, 15));
             }
             if faulty {
                 actions.push((Action::CrashController, 1));
@@ -309,6 +379,7 @@ impl World {
                 if let Some(reply) = self.agents[agent].received(message, sabotage)? {
                     self.net.send_up(id, reply);
                 }
+                self.send_outbox(agent);
             }
             Action::Duplicate(id) => {
                 let conn = self.net.conns.get_mut(&id).expect("enabled");
@@ -332,13 +403,27 @@ impl World {
                 a.conn = Some(id);
                 a.session = Default::default();
                 self.net.send_up(id, hello);
+                self.send_outbox(agent);
             }
             Action::Flush(agent) => {
-                if let Some(reply) = self.agents[agent].flush()
+                let (reply, answered) = self.agents[agent].flush();
+                for a in answered {
+                    // The answer reaches the device, or is lost on the way
+                    // (the device sends the event again).
+                    if let Some(life) = self.lives.get_mut(&(agent, a.key.clone()))
+                        && self.rng.random_bool(0.8)
+                    {
+                        life.unconfirmed
+                            .retain(|(boot, id)| !(*boot == a.boot && *id <= a.id));
+                    }
+                    self.answered.insert(a);
+                }
+                if let Some(reply) = reply
                     && let Some(id) = self.agents[agent].conn
                 {
                     self.net.send_up(id, reply);
                 }
+                self.send_outbox(agent);
             }
             Action::CrashAgent(agent) => {
                 self.stats.agent_crashes += 1;
@@ -367,9 +452,22 @@ impl World {
             Action::WriteStatus => {
                 let i = self.rng.random_range(0..self.ctl.pending_status.len());
                 let (key, uid, generation) = self.ctl.pending_status.remove(i);
-                self.api.record_delivered(&key, &uid, generation);
+                self.api
+                    .write_status(&key, StatusChange::Delivered { uid, generation })?;
                 self.api_revision += 1;
             }
+            Action::WriteUplink => {
+                let i = self.rng.random_range(0..self.ctl.pending_uplink.len());
+                // While faults are on, the API server fails one write in
+                // ten; the writer tries again later.
+                if self.faulty && self.rng.random_bool(0.1) {
+                    self.note("  the API server fails the write".into());
+                } else {
+                    self.ctl.write_uplink(i, &mut self.api, &mut self.net)?;
+                    self.api_revision += 1;
+                }
+            }
+            Action::DeviceSays(agent) => self.device_says(agent),
             Action::Churn => {
                 self.stats.churn += 1;
                 let nodes = self.nodes.clone();
@@ -390,6 +488,63 @@ impl World {
         }
         self.net.collect();
         Ok(())
+    }
+
+    /// What the agent's driver does after every turn: send what the
+    /// outbox has for this session.
+    fn send_outbox(&mut self, agent: usize) {
+        let a = &mut self.agents[agent];
+        if !a.up {
+            return;
+        }
+        let Some(id) = a.conn else { return };
+        for message in a.uplink(self.config.sabotage) {
+            self.net.send_up(id, message);
+        }
+    }
+
+    /// A device of `agent`'s node reports, raises an event, sends one
+    /// again, or reboots.
+    fn device_says(&mut self, agent: usize) {
+        let keys: Vec<ResourceKey> = self.agents[agent].current.desired.keys().cloned().collect();
+        let key = keys[self.rng.random_range(0..keys.len())].clone();
+        let life = self.lives.entry((agent, key.clone())).or_insert_with(|| {
+            self.boots += 1;
+            Life {
+                boot: self.boots,
+                next_id: 1,
+                unconfirmed: Default::default(),
+            }
+        });
+        let sabotage = self.config.sabotage;
+        let what = match self.rng.random_range(0..20) {
+            0..=8 => {
+                self.reports_made += 1;
+                self.stats.reports += 1;
+                self.agents[agent].report(&key, self.reports_made);
+                format!("report {}", self.reports_made)
+            }
+            9..=17 => {
+                self.stats.events += 1;
+                if let Some((boot, id)) = life.unconfirmed.front().copied() {
+                    self.agents[agent].event(&key, boot, id, sabotage);
+                    format!("event {boot}/{id} again")
+                } else {
+                    let (boot, id) = (life.boot, life.next_id);
+                    life.next_id += 1;
+                    life.unconfirmed.push_back((boot, id));
+                    self.agents[agent].event(&key, boot, id, sabotage);
+                    format!("event {boot}/{id}")
+                }
+            }
+            _ => {
+                self.boots += 1;
+                life.boot = self.boots;
+                life.next_id = 1;
+                format!("reboot into boot {}", life.boot)
+            }
+        };
+        self.note(format!("  {key} on {}: {what}", self.nodes[agent]));
     }
 
     /// The controller ends its side of stream `id` (or notices its end).
@@ -457,15 +612,76 @@ impl World {
                         ));
                     }
                 }
-                if d.valid && d.delivered != Some(d.generation) {
+                let delivered = d.status.delivered_generation;
+                if d.valid && delivered != Some(d.generation) {
                     return Err(format!(
-                        "{key} {latest} is held by {} but its status says delivered {:?}",
-                        agent.node, d.delivered
+                        "{key} {latest} is held by {} but its status says delivered {delivered:?}",
+                        agent.node
+                    ));
+                }
+            }
+            if !agent.current.reports.is_empty() || !agent.current.events.is_empty() {
+                return Err(format!(
+                    "the outbox of {} still holds reports {:?} and events {:?}",
+                    agent.node,
+                    agent.current.reports.keys().collect::<Vec<_>>(),
+                    agent.current.events.keys().collect::<Vec<_>>()
+                ));
+            }
+            for (key, latest) in &agent.current.latest {
+                if !self.stayed(key, &latest.uid, &agent.node) {
+                    continue;
+                }
+                let shown = self.api.devices[key].status.reported.get("n");
+                let made = latest.report.properties.get("n");
+                if shown != made {
+                    return Err(format!(
+                        "the status of {key} shows report {shown:?}, not the latest {made:?} of {}",
+                        agent.node
                     ));
                 }
             }
         }
+        for answered in &self.answered {
+            let Answered {
+                node,
+                key,
+                uid,
+                boot,
+                id,
+                message,
+                resend,
+            } = answered;
+            if !self.stayed(key, uid, node) {
+                continue;
+            }
+            if *resend {
+                if !self.api.events.values().any(|m| m == message) {
+                    return Err(format!(
+                        "{node} answered {message:?} as a resend, but it is in no Event"
+                    ));
+                }
+                continue;
+            }
+            let name = Api::event_name(key, uid, *boot, *id);
+            if self.api.events.get(&name) != Some(message) {
+                return Err(format!(
+                    "{node} answered {message:?} ({uid}) as stored, but Event {name} holds {:?}",
+                    self.api.events.get(&name)
+                ));
+            }
+        }
         Ok(())
+    }
+
+    /// Whether Device `key` is still object `uid` on `node`, and never
+    /// moved: what its agent said about it must have reached its status
+    /// and Events.
+    fn stayed(&self, key: &ResourceKey, uid: &str, node: &str) -> bool {
+        self.api
+            .devices
+            .get(key)
+            .is_some_and(|d| d.uid == uid && d.node == node && !self.api.moved.contains(uid))
     }
 }
 
