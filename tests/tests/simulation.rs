@@ -86,6 +86,7 @@ fn the_simulator_catches_agents_with_the_bugs_of_old() {
         Sabotage::IgnoreBootEpochs,
         Sabotage::ReportsByName,
         Sabotage::OneMarkForBothFlows,
+        Sabotage::SendBeforeDurable,
     ] {
         let config = Config {
             sabotage: Some(sabotage),

@@ -327,17 +327,22 @@ impl Agent {
         if self.conn.is_none() || self.waiting.is_some() {
             return messages;
         }
+        let durable_seq = if sabotage == Some(Sabotage::SendBeforeDurable) {
+            self.next_seq - 1
+        } else {
+            self.durable_seq
+        };
         for flow in Flow::ALL {
             loop {
                 let (after, room) = self.session.next_batch(flow, UPLINK_BATCH);
-                if after >= self.durable_seq {
+                if after >= durable_seq {
                     break;
                 }
                 let batch: Vec<(u64, PendingUplink)> = match flow {
                     Flow::Reports => self
                         .current
                         .reports
-                        .range(after + 1..=self.durable_seq)
+                        .range(after + 1..=durable_seq)
                         .take(room)
                         .map(|(seq, key)| {
                             let mut latest = self.current.latest[key].clone();
@@ -353,7 +358,7 @@ impl Agent {
                     Flow::Events => self
                         .current
                         .events
-                        .range(after + 1..=self.durable_seq)
+                        .range(after + 1..=durable_seq)
                         .take(room)
                         .map(|(seq, stored)| {
                             let device = stored.device.parse().expect("stored keys parse");

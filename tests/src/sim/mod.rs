@@ -99,6 +99,10 @@ pub enum Sabotage {
     /// Takes the further of the two flows' acknowledgements for both,
     /// dropping entries the cloud has not made durable.
     OneMarkForBothFlows,
+    /// Sends outbox entries before they are durable (the agent's
+    /// behaviour before its durable mark): the cloud may show what a crash
+    /// then takes back.
+    SendBeforeDurable,
 }
 
 /// What one run did.
