@@ -922,3 +922,48 @@ async fn sequence_numbers_handed_out_before_a_restart_are_never_reused() {
         .unwrap();
     assert!(after > handed_out, "seq {after} after {handed_out}");
 }
+
+fn names(dir: &std::path::Path) -> std::collections::BTreeSet<String> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect()
+}
+
+/// A flush syncs the log alone, not the store's directory: what it wrote
+/// must then reach the disk without any new name. sled 0.34 names files
+/// only when it opens (its snapshot, made durable by the open) and for a
+/// value over a quarter of a segment (`blobs/`), which the store never
+/// writes. If a sled upgrade changes that, this fails, and the flush must
+/// sync the directories again.
+#[tokio::test]
+async fn a_running_store_writes_into_its_log_and_names_no_new_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("store");
+    let store = open(&dir);
+    let opened = names(&dir);
+    let a = ResourceKey::device("plant", "a");
+    store
+        .apply(&[(a.clone(), thermostat("ua", 1, 20.0))], &[])
+        .await
+        .unwrap();
+    // Far more than any tree node holds, in batches as MQTT writes them.
+    for n in 0..100u64 {
+        let mut batch = store.batch();
+        for i in 1..=200 {
+            let id = n * 200 + i;
+            let event = DeviceEvent {
+                message: "m".repeat(500),
+                ..self_check(id)
+            };
+            batch.event(&a, event, 1).unwrap();
+            let device = ResourceKey::device("plant", format!("d{}", id % 1000));
+            batch.report(&device, report(1, id as f64), 1).unwrap();
+        }
+        batch.commit().await.unwrap();
+    }
+    let last = store.last_seq().unwrap();
+    assert_eq!(store.acknowledge_uplink(last, last).await.unwrap(), 21_000);
+    assert_eq!(names(&dir), opened, "new names in the store's directory");
+    assert!(names(&dir.join("blobs")).is_empty(), "sled wrote blobs");
+}
