@@ -1,16 +1,18 @@
 //! The `crds` command: Edgefleet's API definitions as one multi-document YAML
-//! stream: the CRDs, then the admission policy that completes their checks.
+//! stream: the CRDs, then the admission policies that complete their checks.
 
 use edgefleet_shared::api::{crds, policy};
 use serde_json::to_value;
 
-/// Renders every CRD and the Device admission policy with its binding, one
+/// Renders every CRD and the admission policies with their bindings, one
 /// YAML document each. `deploy/crds/edgefleet.yaml` holds this output; a test
 /// keeps the two equal.
 pub fn render() -> anyhow::Result<String> {
     let mut docs = crds().iter().map(to_value).collect::<Result<Vec<_>, _>>()?;
-    docs.push(to_value(policy::device_policy())?);
-    docs.push(to_value(policy::device_policy_binding())?);
+    for (policy, binding) in policy::policies() {
+        docs.push(to_value(policy)?);
+        docs.push(to_value(binding)?);
+    }
 
     let mut out = String::new();
     for doc in docs {

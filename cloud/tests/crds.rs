@@ -24,6 +24,7 @@ fn deploy_crds_match_the_generated_crds() {
     for kind in [
         "kind: Device\n",
         "kind: EdgeNode\n",
+        "kind: FleetRollout\n",
         "kind: ValidatingAdmissionPolicy\n",
         "kind: ValidatingAdmissionPolicyBinding\n",
     ] {

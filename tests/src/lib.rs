@@ -441,8 +441,8 @@ fn wait_ready(stdout: impl Read + Send + 'static) -> anyhow::Result<PathBuf> {
     }
 }
 
-/// Applies the CRDs and the Device admission policy, and waits until both
-/// are in force: the CRDs Established, the policy refusing a bad Device.
+/// Applies the CRDs and the admission policies, and waits until they are
+/// in force: the CRDs Established, each policy refusing a bad object.
 pub async fn install_crds(kubeconfig: &Path) -> anyhow::Result<()> {
     let kubeconfig = Kubeconfig::read_from(kubeconfig)?;
     let config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default()).await?;
@@ -463,32 +463,55 @@ pub async fn install_crds(kubeconfig: &Path) -> anyhow::Result<()> {
         .with_context(|| format!("CRD {name} not Established after {CRD_TIMEOUT:?}"))??;
     }
 
-    let policy = edgefleet_shared::api::policy::device_policy();
-    let binding = edgefleet_shared::api::policy::device_policy_binding();
-    let name = edgefleet_shared::api::policy::DEVICE_POLICY;
-    Api::<ValidatingAdmissionPolicy>::all(client.clone())
-        .patch(name, &params, &Patch::Apply(&policy))
-        .await
-        .context("apply the Device admission policy")?;
-    Api::<ValidatingAdmissionPolicyBinding>::all(client.clone())
-        .patch(name, &params, &Patch::Apply(&binding))
-        .await
-        .context("bind the Device admission policy")?;
-    tokio::time::timeout(CRD_TIMEOUT, await_policy_enforced(&client))
-        .await
-        .with_context(|| {
-            format!("the Device admission policy not enforced after {CRD_TIMEOUT:?}")
-        })?
+    for (policy, binding) in edgefleet_shared::api::policy::policies() {
+        let name = policy.metadata.name.clone().expect("policies are named");
+        Api::<ValidatingAdmissionPolicy>::all(client.clone())
+            .patch(&name, &params, &Patch::Apply(&policy))
+            .await
+            .with_context(|| format!("apply the admission policy {name}"))?;
+        Api::<ValidatingAdmissionPolicyBinding>::all(client.clone())
+            .patch(&name, &params, &Patch::Apply(&binding))
+            .await
+            .with_context(|| format!("bind the admission policy {name}"))?;
+    }
+    let device = ApiResource::erase::<Device>(&());
+    let rollout = ApiResource::erase::<edgefleet_shared::api::FleetRollout>(&());
+    let probes = [
+        (
+            device,
+            serde_json::json!({
+                "spec": { "node": "probe", "model": "probe", "transport": "coap", "desired": { "x": [1] } }
+            }),
+        ),
+        (
+            rollout,
+            serde_json::json!({
+                "spec": { "target": { "properties": { "x": [1] } }, "selector": {} }
+            }),
+        ),
+    ];
+    for (resource, bad) in probes {
+        tokio::time::timeout(CRD_TIMEOUT, await_policy_enforced(&client, &resource, bad))
+            .await
+            .with_context(|| {
+                format!(
+                    "the {} admission policy not enforced after {CRD_TIMEOUT:?}",
+                    resource.kind
+                )
+            })??;
+    }
+    Ok(())
 }
 
-/// Policies take effect asynchronously; probe with a dry-run create of a
-/// Device the policy must refuse until it does.
-async fn await_policy_enforced(client: &Client) -> anyhow::Result<()> {
-    let resource = ApiResource::erase::<Device>(&());
-    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), "default", &resource);
-    let probe = DynamicObject::new("policy-probe", &resource).data(serde_json::json!({
-        "spec": { "node": "probe", "model": "probe", "transport": "coap", "desired": { "x": [1] } }
-    }));
+/// Policies take effect asynchronously; probe with a dry-run create of an
+/// object (`bad`, of `resource`) the policy must refuse until it does.
+async fn await_policy_enforced(
+    client: &Client,
+    resource: &ApiResource,
+    bad: serde_json::Value,
+) -> anyhow::Result<()> {
+    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), "default", resource);
+    let probe = DynamicObject::new("policy-probe", resource).data(bad);
     let dry_run = PostParams {
         dry_run: true,
         ..Default::default()

@@ -1,9 +1,10 @@
-//! The admission policy that completes the Device schema.
+//! The admission policies that complete the Device and FleetRollout schemas.
 //!
 //! Some rules cannot live in a CRD schema: a property value may be any of four
 //! scalar types, which a structural schema cannot say and CRD validation rules
-//! cannot type-check. A ValidatingAdmissionPolicy evaluates CEL on the object
-//! as it is, so it checks those rules and names the offending property.
+//! cannot type-check (nor even see: a rule cannot name such a map). A
+//! ValidatingAdmissionPolicy evaluates CEL on the object as it is, so it
+//! checks those rules and names the offending property.
 
 use k8s_openapi::api::admissionregistration::v1::{
     ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
@@ -13,16 +14,81 @@ use serde_json::json;
 use crate::api::schema::PROPERTY_NAME;
 use crate::codec::MAX_PROPERTY_NAME;
 
-/// Name of the policy and of its binding.
+/// Name of the Device policy and of its binding.
 pub const DEVICE_POLICY: &str = "devices.edgefleet.io";
+
+/// Name of the FleetRollout policy and of its binding.
+pub const ROLLOUT_POLICY: &str = "fleetrollouts.edgefleet.io";
+
+/// Every admission policy Edgefleet installs, each with its binding.
+pub fn policies() -> Vec<(ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding)> {
+    [device_policy(), rollout_policy()]
+        .into_iter()
+        .map(|policy| {
+            let name = policy.metadata.name.clone().expect("policies are named");
+            (policy, binding(&name))
+        })
+        .collect()
+}
 
 /// The policy that checks a Device's desired property names and values.
 pub fn device_policy() -> ValidatingAdmissionPolicy {
+    property_policy(
+        DEVICE_POLICY,
+        "devices",
+        "spec.desired",
+        "has(object.spec.desired) ? object.spec.desired : {}",
+        Vec::new(),
+    )
+}
+
+/// The policy that checks a FleetRollout's target: its property names and
+/// values (as a Device's), and that it changes something.
+pub fn rollout_policy() -> ValidatingAdmissionPolicy {
+    property_policy(
+        ROLLOUT_POLICY,
+        "fleetrollouts",
+        "spec.target.properties",
+        "has(object.spec.target.properties) ? object.spec.target.properties : {}",
+        vec![json!({
+            "expression": "has(object.spec.target.firmware) || size(variables.props) > 0",
+            "reason": "Invalid",
+            "message": "spec.target: a rollout changes the firmware, some properties, or both",
+        })],
+    )
+}
+
+/// A policy on `resource` that checks the property map at `field` (read by
+/// the CEL expression `props`) the way the Device schema cannot: names
+/// that are property names, values that are scalars. `more` are further
+/// validations.
+fn property_policy(
+    name: &str,
+    resource: &str,
+    field: &str,
+    props: &str,
+    more: Vec<serde_json::Value>,
+) -> ValidatingAdmissionPolicy {
     let bad_name = format!("!k.matches('{PROPERTY_NAME}') || size(k) > {MAX_PROPERTY_NAME}");
+    let mut validations = vec![
+        json!({
+            "expression": "size(variables.badNames) == 0",
+            "reason": "Invalid",
+            "message": format!("{field}: property names start with a letter, contain only letters, digits and '_', and are at most {MAX_PROPERTY_NAME} characters"),
+            "messageExpression": format!("'{field}: property names start with a letter, contain only letters, digits and _, and are at most {MAX_PROPERTY_NAME} characters; refused: ' + variables.badNames.join(', ')"),
+        }),
+        json!({
+            "expression": "size(variables.badValues) == 0",
+            "reason": "Invalid",
+            "message": format!("{field}: property values must be a bool, an integer, a float or a string (not a list, an object or null)"),
+            "messageExpression": format!("'{field}.' + variables.badValues[0] + ': property values must be a bool, an integer, a float or a string (not a list, an object or null)'"),
+        }),
+    ];
+    validations.extend(more);
     serde_json::from_value(json!({
         "apiVersion": "admissionregistration.k8s.io/v1",
         "kind": "ValidatingAdmissionPolicy",
-        "metadata": { "name": DEVICE_POLICY },
+        "metadata": { "name": name },
         "spec": {
             "failurePolicy": "Fail",
             "matchConstraints": {
@@ -30,14 +96,11 @@ pub fn device_policy() -> ValidatingAdmissionPolicy {
                     "apiGroups": ["edgefleet.io"],
                     "apiVersions": ["v1alpha1"],
                     "operations": ["CREATE", "UPDATE"],
-                    "resources": ["devices"],
+                    "resources": [resource],
                 }],
             },
             "variables": [
-                {
-                    "name": "props",
-                    "expression": "has(object.spec.desired) ? object.spec.desired : {}",
-                },
+                { "name": "props", "expression": props },
                 {
                     "name": "badNames",
                     "expression": format!("variables.props.filter(k, {bad_name})"),
@@ -47,35 +110,22 @@ pub fn device_policy() -> ValidatingAdmissionPolicy {
                     "expression": "variables.props.filter(k, !(type(variables.props[k]) == bool || type(variables.props[k]) == int || type(variables.props[k]) == double || type(variables.props[k]) == string))",
                 },
             ],
-            "validations": [
-                {
-                    "expression": "size(variables.badNames) == 0",
-                    "reason": "Invalid",
-                    "message": format!("spec.desired: property names start with a letter, contain only letters, digits and '_', and are at most {MAX_PROPERTY_NAME} characters"),
-                    "messageExpression": format!("'spec.desired: property names start with a letter, contain only letters, digits and _, and are at most {MAX_PROPERTY_NAME} characters; refused: ' + variables.badNames.join(', ')"),
-                },
-                {
-                    "expression": "size(variables.badValues) == 0",
-                    "reason": "Invalid",
-                    "message": "spec.desired: property values must be a bool, an integer, a float or a string (not a list, an object or null)",
-                    "messageExpression": "'spec.desired.' + variables.badValues[0] + ': property values must be a bool, an integer, a float or a string (not a list, an object or null)'",
-                },
-            ],
+            "validations": validations,
         },
     }))
-    .expect("the device policy matches the admissionregistration/v1 types")
+    .expect("the policy matches the admissionregistration/v1 types")
 }
 
-/// Binds [`device_policy`] to every namespace, refusing what it denies.
-pub fn device_policy_binding() -> ValidatingAdmissionPolicyBinding {
+/// Binds the policy `name` to every namespace, refusing what it denies.
+fn binding(name: &str) -> ValidatingAdmissionPolicyBinding {
     serde_json::from_value(json!({
         "apiVersion": "admissionregistration.k8s.io/v1",
         "kind": "ValidatingAdmissionPolicyBinding",
-        "metadata": { "name": DEVICE_POLICY },
+        "metadata": { "name": name },
         "spec": {
-            "policyName": DEVICE_POLICY,
+            "policyName": name,
             "validationActions": ["Deny"],
         },
     }))
-    .expect("the device policy binding matches the admissionregistration/v1 types")
+    .expect("the policy binding matches the admissionregistration/v1 types")
 }
