@@ -166,7 +166,8 @@ pub struct RolloutStrategy {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(schema_with = "waves")]
     pub waves: Vec<IntOrString>,
-    /// Most Devices of the rollout updating or failed at any moment.
+    /// Most Devices of the rollout being updated (updating or baking) at
+    /// any moment.
     #[x_kube(validation = Rule::new(share_rule!()).message(SHARE_MESSAGE))]
     #[serde(default = "default_max_unavailable")]
     pub max_unavailable: IntOrString,
@@ -217,7 +218,8 @@ pub struct FailureDomain {
     /// `edgefleet.io/site`.
     #[schemars(length(min = 1, max = 317))]
     pub topology_key: String,
-    /// Most Devices of one domain updating or failed at any moment.
+    /// Most Devices of one domain being updated (updating or baking) at
+    /// any moment.
     #[x_kube(validation = Rule::new(share_rule!()).message(SHARE_MESSAGE))]
     pub max_unavailable: IntOrString,
     /// Devices of each domain updated first; the rest of that domain waits
