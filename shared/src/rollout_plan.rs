@@ -24,7 +24,7 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
-use crate::api::rollout::RolloutStrategy;
+use crate::api::rollout::{MAX_LISTED_SITES, RolloutStrategy, SiteCounts, StateCounts};
 
 /// Where one member of a rollout stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -65,6 +65,37 @@ impl MemberState {
                 | MemberState::Skipped
         )
     }
+}
+
+/// How a member counts in a rollout's status: its state, or `Unreachable`
+/// while its node is away and nothing final has happened to it.
+fn count(counts: &mut StateCounts, m: &Member) {
+    counts.total += 1;
+    let slot = match m.state {
+        _ if !m.reachable && !m.state.done() => &mut counts.unreachable,
+        MemberState::Pending => &mut counts.pending,
+        MemberState::Updating => &mut counts.updating,
+        MemberState::Baking => &mut counts.baking,
+        MemberState::Succeeded => &mut counts.succeeded,
+        MemberState::Failed => &mut counts.failed,
+        MemberState::RolledBack => &mut counts.rolled_back,
+        MemberState::Skipped => &mut counts.skipped,
+    };
+    *slot += 1;
+}
+
+/// A rollout's members counted by state, as its status shows them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Summary {
+    /// Over the whole rollout.
+    pub overall: StateCounts,
+    /// Per stage, the canary first.
+    pub stages: Vec<StateCounts>,
+    /// Per failure domain, at most [`MAX_LISTED_SITES`]: those with the
+    /// most failed and unreachable members first, then by name.
+    pub sites: Vec<SiteCounts>,
+    /// Failure domains left out of `sites`.
+    pub sites_not_listed: u32,
 }
 
 /// One member as the planner sees it.
@@ -207,6 +238,36 @@ impl Plan {
                     .any(|(m, &stage)| stage == s && m.reachable && !m.state.done())
             })
             .unwrap_or(self.stages)
+    }
+
+    /// Counts `members` by state overall, per stage and per domain (domains
+    /// only if the members have any).
+    pub fn summary(&self, members: &[Member]) -> Summary {
+        let mut summary = Summary {
+            stages: vec![StateCounts::default(); self.stages],
+            ..Summary::default()
+        };
+        let mut sites: BTreeMap<&str, StateCounts> = BTreeMap::new();
+        for (i, m) in members.iter().enumerate() {
+            count(&mut summary.overall, m);
+            count(&mut summary.stages[self.stage[i]], m);
+            if let Some(domain) = &m.domain {
+                count(sites.entry(domain).or_default(), m);
+            }
+        }
+        let mut sites: Vec<SiteCounts> = sites
+            .into_iter()
+            .map(|(name, counts)| SiteCounts {
+                name: name.to_owned(),
+                counts,
+            })
+            .collect();
+        // Stable: equal trouble keeps the name order.
+        sites.sort_by_key(|s| std::cmp::Reverse(s.counts.failed + s.counts.unreachable));
+        summary.sites_not_listed = sites.len().saturating_sub(MAX_LISTED_SITES) as u32;
+        sites.truncate(MAX_LISTED_SITES);
+        summary.sites = sites;
+        summary
     }
 
     /// The members that may start updating now (by index, in plan order
@@ -354,6 +415,40 @@ mod tests {
         );
     }
 
+    #[test]
+    fn the_summary_counts_each_member_once_and_lists_troubled_sites_first() {
+        let mut ms = members(&[3, 2, 2]);
+        ms[0].state = MemberState::Succeeded;
+        ms[1].state = MemberState::Updating;
+        ms[1].reachable = false; // unreachable while updating
+        ms[2].state = MemberState::Failed;
+        ms[2].reachable = false; // failed is final: counts as failed
+        ms[5].state = MemberState::Failed;
+        let plan = Plan::new(&strategy("1", &["50%"], "2", Some(("1", "0"))), &ms).unwrap();
+        let summary = plan.summary(&ms);
+        let o = &summary.overall;
+        assert_eq!(
+            (o.total, o.succeeded, o.unreachable, o.failed, o.pending),
+            (7, 1, 1, 2, 3)
+        );
+        let stage_total: u32 = summary.stages.iter().map(|s| s.total).sum();
+        assert_eq!(stage_total, 7);
+        let names: Vec<&str> = summary.sites.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(
+            names,
+            ["site-0", "site-2", "site-1"],
+            "two in trouble, one, none"
+        );
+        assert_eq!(summary.sites_not_listed, 0);
+
+        let many = members(&vec![1; MAX_LISTED_SITES + 7]);
+        let plan = Plan::new(&strategy("1", &[], "1", Some(("1", "0"))), &many).unwrap();
+        let summary = plan.summary(&many);
+        assert_eq!(summary.sites.len(), MAX_LISTED_SITES);
+        assert_eq!(summary.sites_not_listed, 7);
+        assert_eq!(summary.overall.total as usize, MAX_LISTED_SITES + 7);
+    }
+
     /// Plays rollouts to the end, one random event at a time, and checks
     /// at every moment what the plan promises.
     fn play(
@@ -409,6 +504,16 @@ mod tests {
                     );
                 }
             }
+            let o = plan.summary(&ms).overall;
+            let states = o.pending
+                + o.updating
+                + o.baking
+                + o.succeeded
+                + o.failed
+                + o.rolled_back
+                + o.unreachable
+                + o.skipped;
+            prop_assert_eq!(states, o.total, "every member counts once: {:?}", o);
             if ms.iter().all(|m| m.state.done()) {
                 return Ok(());
             }
