@@ -415,6 +415,45 @@ mod tests {
         );
     }
 
+    /// The worked example of docs/rollouts.md.
+    #[test]
+    fn the_worked_example_of_the_docs() {
+        let mut ms = members(&[100; 10]);
+        let strat = strategy("1%", &["10%", "50%"], "10%", Some(("10%", "1")));
+        let plan = Plan::new(&strat, &ms).unwrap();
+        let sizes: Vec<usize> = (0..plan.stages)
+            .map(|s| plan.stage.iter().filter(|&&x| x == s).count())
+            .collect();
+        assert_eq!(sizes, [10, 90, 400, 500]);
+        let per_site = |started: &[usize], ms: &[Member]| -> Vec<usize> {
+            (0..10)
+                .map(|site| {
+                    let name = Some(format!("site-{site}"));
+                    started.iter().filter(|&&i| ms[i].domain == name).count()
+                })
+                .collect()
+        };
+        let finish = |started: &[usize], ms: &mut [Member]| {
+            for &i in started {
+                ms[i].state = MemberState::Succeeded;
+            }
+        };
+        let canary = plan.to_start(&ms);
+        assert_eq!(per_site(&canary, &ms), [1; 10]);
+        assert!(
+            canary
+                .iter()
+                .all(|&i| plan.domain_canary[i] && plan.stage[i] == 0)
+        );
+        finish(&canary, &mut ms);
+        let wave_1 = plan.to_start(&ms);
+        assert_eq!(per_site(&wave_1, &ms), [9; 10]);
+        finish(&wave_1, &mut ms);
+        let wave_2 = plan.to_start(&ms);
+        assert_eq!(per_site(&wave_2, &ms), [10; 10], "10 per site, 100 overall");
+        assert!(wave_2.iter().all(|&i| plan.stage[i] == 2));
+    }
+
     #[test]
     fn the_summary_counts_each_member_once_and_lists_troubled_sites_first() {
         let mut ms = members(&[3, 2, 2]);
