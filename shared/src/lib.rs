@@ -22,6 +22,7 @@ pub mod holdings;
 pub mod key;
 pub mod property;
 pub mod proto;
+pub mod rollout_member;
 pub mod rollout_plan;
 pub mod telemetry;
 pub mod topics;

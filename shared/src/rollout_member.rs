@@ -1,0 +1,451 @@
+//! One Device's part in a rollout, without I/O: the change a rollout makes
+//! to it, the record of what that change replaced, the undo, and the state
+//! the Device is in as far as the rollout is concerned.
+//!
+//! The change and its record travel in one JSON merge patch: the spec gets
+//! the target, and the annotation [`RECORD_ANNOTATION`] gets what the spec
+//! had before. So a controller that dies between two writes can never have
+//! changed a Device without knowing how to put it back, and a rollback
+//! needs nothing but the Device.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::jiff::Timestamp;
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+use crate::PropertyValue;
+use crate::api::device::{Device, DeviceSpec, FirmwareSpec, condition};
+use crate::api::rollout::{FailureClass, FleetRollout, RolloutTarget};
+use crate::rollout_plan::MemberState;
+
+/// The annotation of a Device that a rollout changed: a [`Record`] as JSON.
+pub const RECORD_ANNOTATION: &str = "edgefleet.io/rollout";
+
+/// How long a device may take to report the target when the rollout sets
+/// no time-out (that of a health gate's default).
+pub const DEFAULT_TIMEOUT_SECONDS: u32 = 1800;
+
+/// Which rollout changed a Device, when, and what it replaced.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Record {
+    /// The FleetRollout's name.
+    pub rollout: String,
+    /// Its uid: a rollout deleted and created again is another one.
+    pub uid: String,
+    /// When the change was made (Unix milliseconds).
+    pub changed_at_ms: i64,
+    /// What the change replaced.
+    pub previous: Previous,
+    /// The change was undone.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub rolled_back: bool,
+}
+
+/// The part of a Device's spec a rollout replaced.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Previous {
+    /// Whether the rollout changed the firmware; `firmware` is then what
+    /// was there (`None`: no firmware was set). Two fields, because JSON
+    /// has one `null` for both "not changed" and "there was none".
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub firmware_changed: bool,
+    /// The firmware before.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub firmware: Option<FirmwareSpec>,
+    /// The values before of the properties the rollout set (`None`: the
+    /// property was not set).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub properties: BTreeMap<String, Option<PropertyValue>>,
+}
+
+/// The record on `device`, if any; an annotation that does not parse is
+/// an error (someone edited it by hand).
+pub fn record(device: &Device) -> Option<Result<Record, serde_json::Error>> {
+    let text = device
+        .metadata
+        .annotations
+        .as_ref()?
+        .get(RECORD_ANNOTATION)?;
+    Some(serde_json::from_str(text))
+}
+
+/// Whether `spec` carries the target.
+pub fn carries(spec: &DeviceSpec, target: &RolloutTarget) -> bool {
+    target
+        .firmware
+        .as_ref()
+        .is_none_or(|f| spec.firmware.as_ref() == Some(f))
+        && target
+            .properties
+            .iter()
+            .all(|(name, value)| spec.desired.get(name) == Some(value))
+}
+
+/// Whether the device reports running its current spec: it applied the
+/// current generation, and runs the target firmware if there is one.
+fn applied(device: &Device, target: &RolloutTarget) -> bool {
+    let Some(status) = &device.status else {
+        return false;
+    };
+    let generation = device.metadata.generation.unwrap_or(0);
+    status.applied_generation.is_some_and(|a| a >= generation)
+        && target
+            .firmware
+            .as_ref()
+            .is_none_or(|f| status.firmware_version.as_deref() == Some(f.version.as_str()))
+}
+
+/// The merge patch that gives `device` the target of `rollout` and records
+/// what it replaced. `None` if the Device carries the target already.
+pub fn change(device: &Device, rollout: &FleetRollout, now_ms: i64) -> Option<Value> {
+    let target = &rollout.spec.target;
+    if carries(&device.spec, target) {
+        return None;
+    }
+    let previous = Previous {
+        firmware_changed: target.firmware.is_some(),
+        firmware: device
+            .spec
+            .firmware
+            .clone()
+            .filter(|_| target.firmware.is_some()),
+        properties: target
+            .properties
+            .keys()
+            .map(|name| (name.clone(), device.spec.desired.get(name).cloned()))
+            .collect(),
+    };
+    let record = Record {
+        rollout: rollout.metadata.name.clone().unwrap_or_default(),
+        uid: rollout.metadata.uid.clone().unwrap_or_default(),
+        changed_at_ms: now_ms,
+        previous,
+        rolled_back: false,
+    };
+    let mut spec = json!({});
+    if let Some(firmware) = &target.firmware {
+        spec["firmware"] = firmware_patch(Some(firmware));
+    }
+    if !target.properties.is_empty() {
+        spec["desired"] = json!(target.properties);
+    }
+    Some(json!({
+        "metadata": { "annotations": { RECORD_ANNOTATION: serde_json::to_string(&record).expect("records serialize") } },
+        "spec": spec,
+    }))
+}
+
+/// The merge patch that puts back what `record` says a rollout replaced,
+/// and marks the record rolled back.
+pub fn undo(record: &Record) -> Value {
+    let mut spec = json!({});
+    if record.previous.firmware_changed {
+        // `null` removes the firmware the rollout added.
+        spec["firmware"] = firmware_patch(record.previous.firmware.as_ref());
+    }
+    if !record.previous.properties.is_empty() {
+        spec["desired"] = json!(record.previous.properties);
+    }
+    let undone = Record {
+        rolled_back: true,
+        ..record.clone()
+    };
+    json!({
+        "metadata": { "annotations": { RECORD_ANNOTATION: serde_json::to_string(&undone).expect("records serialize") } },
+        "spec": spec,
+    })
+}
+
+/// `firmware` as a merge patch replacing whatever firmware there is: a
+/// field it lacks is `null`, so no url or digest of the old image stays
+/// behind next to a new version.
+fn firmware_patch(firmware: Option<&FirmwareSpec>) -> Value {
+    match firmware {
+        None => Value::Null,
+        Some(f) => json!({ "version": f.version, "url": f.url, "sha256": f.sha256 }),
+    }
+}
+
+/// Where `device` stands in `rollout` at `now`, and why it failed if it
+/// did. A Device the rollout never changed is `Pending`, or `Succeeded` at
+/// once if it runs the target already; one another rollout changed is
+/// `Pending` for this one.
+///
+/// After a change: `Failed` (install failed) once the device says its
+/// update failed; `Baking` once it reports the target, for the bake time
+/// counted from when it applied it; `Succeeded` after; `Failed` (timed out)
+/// if it has not reported the target within the time-out; `Updating`
+/// until then. (The health verdicts from the edge will refine `Baking`.)
+pub fn state(
+    device: &Device,
+    rollout: &FleetRollout,
+    now: Timestamp,
+) -> (MemberState, Option<FailureClass>) {
+    let target = &rollout.spec.target;
+    let mine = match record(device) {
+        Some(Ok(r)) => Some(r).filter(|r| Some(&r.uid) == rollout.metadata.uid.as_ref()),
+        Some(Err(_)) | None => None,
+    };
+    let Some(record) = mine else {
+        let done = carries(&device.spec, target) && applied(device, target);
+        let state = if done {
+            MemberState::Succeeded
+        } else {
+            MemberState::Pending
+        };
+        return (state, None);
+    };
+    if record.rolled_back {
+        return (MemberState::RolledBack, None);
+    }
+    let generation = device.metadata.generation.unwrap_or(0);
+    let conditions = device
+        .status
+        .as_ref()
+        .map(|s| s.conditions.as_slice())
+        .unwrap_or_default();
+    let current = |type_: &str| {
+        conditions.iter().find(|c| {
+            c.type_ == type_ && c.status == "True" && c.observed_generation == Some(generation)
+        })
+    };
+    if current(condition::UPDATE_FAILED).is_some() {
+        return (MemberState::Failed, Some(FailureClass::InstallFailed));
+    }
+    let health = rollout.spec.health.as_ref();
+    if applied(device, target) {
+        let bake_ms = i64::from(health.map_or(0, |h| h.bake_seconds)) * 1000;
+        let since = current(condition::APPLIED)
+            .map_or(now, |c| c.last_transition_time.0)
+            .as_millisecond();
+        let state = if now.as_millisecond() - since >= bake_ms {
+            MemberState::Succeeded
+        } else {
+            MemberState::Baking
+        };
+        return (state, None);
+    }
+    let timeout_ms =
+        i64::from(health.map_or(DEFAULT_TIMEOUT_SECONDS, |h| h.timeout_seconds)) * 1000;
+    if now.as_millisecond() - record.changed_at_ms > timeout_ms {
+        return (MemberState::Failed, Some(FailureClass::TimedOut));
+    }
+    (MemberState::Updating, None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::device::{DeviceStatus, Transport};
+    use crate::api::rollout::{FleetRolloutSpec, HealthGate};
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector, Time};
+
+    fn firmware(version: &str) -> FirmwareSpec {
+        FirmwareSpec {
+            version: version.into(),
+            url: None,
+            sha256: None,
+        }
+    }
+
+    fn device() -> Device {
+        let mut d = Device::new(
+            "t1",
+            DeviceSpec {
+                node: "edge-1".into(),
+                model: "thermostat".into(),
+                transport: Transport::Coap,
+                desired: BTreeMap::from([("setpoint".to_owned(), PropertyValue::Float(21.0))]),
+                firmware: Some(firmware("1.0.0")),
+            },
+        );
+        d.metadata.generation = Some(3);
+        d.status = Some(DeviceStatus {
+            applied_generation: Some(3),
+            firmware_version: Some("1.0.0".into()),
+            ..Default::default()
+        });
+        d
+    }
+
+    fn rollout(bake_seconds: u32) -> FleetRollout {
+        let mut r = FleetRollout::new(
+            "fw-2",
+            FleetRolloutSpec {
+                target: RolloutTarget {
+                    firmware: Some(firmware("2.0.0")),
+                    properties: BTreeMap::from([
+                        ("setpoint".to_owned(), PropertyValue::Float(19.5)),
+                        ("mode".to_owned(), PropertyValue::String("eco".into())),
+                    ]),
+                },
+                selector: LabelSelector::default(),
+                node_selector: None,
+                membership: Default::default(),
+                strategy: Default::default(),
+                health: Some(HealthGate {
+                    expression: "online".into(),
+                    bake_seconds,
+                    timeout_seconds: 600,
+                }),
+                failure_policy: Default::default(),
+                offline: Default::default(),
+                paused: false,
+                abort: false,
+            },
+        );
+        r.metadata.uid = Some("rollout-uid".into());
+        r
+    }
+
+    /// Applies a JSON merge patch to a Device, as the API server would.
+    fn patched(device: &Device, patch: &Value) -> Device {
+        let mut doc = serde_json::to_value(device).unwrap();
+        json_merge(&mut doc, patch);
+        serde_json::from_value(doc).unwrap()
+    }
+
+    fn json_merge(doc: &mut Value, patch: &Value) {
+        match (doc, patch) {
+            (Value::Object(d), Value::Object(p)) => {
+                for (k, v) in p {
+                    if v.is_null() {
+                        d.remove(k);
+                    } else {
+                        json_merge(d.entry(k.clone()).or_insert(Value::Null), v);
+                    }
+                }
+            }
+            (doc, patch) => *doc = patch.clone(),
+        }
+    }
+
+    fn at(ms: i64) -> Timestamp {
+        Timestamp::from_millisecond(ms).unwrap()
+    }
+
+    /// The device reports running generation `g` with `fw`, applied at `ms`.
+    fn reports(device: &mut Device, g: i64, fw: &str, ms: i64) {
+        let status = device.status.get_or_insert_default();
+        status.applied_generation = Some(g);
+        status.firmware_version = Some(fw.into());
+        status.conditions = vec![Condition {
+            type_: condition::APPLIED.into(),
+            status: "True".into(),
+            reason: "DeviceApplied".into(),
+            message: String::new(),
+            observed_generation: Some(g),
+            last_transition_time: Time(at(ms)),
+        }];
+    }
+
+    #[test]
+    fn a_change_and_its_undo_put_the_spec_back_exactly() {
+        let before = device();
+        let r = rollout(60);
+        let patch = change(&before, &r, 1_000).unwrap();
+        let after = patched(&before, &patch);
+        assert!(carries(&after.spec, &r.spec.target));
+        let rec = record(&after).unwrap().unwrap();
+        assert!(rec.previous.firmware_changed);
+        assert_eq!(rec.previous.firmware, Some(firmware("1.0.0")));
+        assert_eq!(
+            rec.previous.properties,
+            BTreeMap::from([
+                ("mode".to_owned(), None),
+                ("setpoint".to_owned(), Some(PropertyValue::Float(21.0))),
+            ])
+        );
+        assert_eq!(change(&after, &r, 2_000), None, "it carries the target");
+        let undone = patched(&after, &undo(&rec));
+        assert_eq!(
+            undone.spec, before.spec,
+            "mode removed, setpoint and firmware back"
+        );
+        assert!(record(&undone).unwrap().unwrap().rolled_back);
+    }
+
+    /// A merge patch merges objects: a target without a url must not leave
+    /// the old image's url and digest next to the new version.
+    #[test]
+    fn no_url_or_digest_of_the_old_firmware_stays_behind() {
+        let mut before = device();
+        before.spec.firmware = Some(FirmwareSpec {
+            version: "1.0.0".into(),
+            url: Some("https://firmware.example/1.0.0.bin".into()),
+            sha256: Some("0".repeat(64)),
+        });
+        let r = rollout(60);
+        let after = patched(&before, &change(&before, &r, 1).unwrap());
+        assert_eq!(after.spec.firmware, Some(firmware("2.0.0")));
+        let rec = record(&after).unwrap().unwrap();
+        let undone = patched(&after, &undo(&rec));
+        assert_eq!(undone.spec.firmware, before.spec.firmware);
+        // A device that had no firmware set gets none back.
+        let mut bare = device();
+        bare.spec.firmware = None;
+        let after = patched(&bare, &change(&bare, &r, 1).unwrap());
+        let undone = patched(&after, &undo(&record(&after).unwrap().unwrap()));
+        assert_eq!(undone.spec.firmware, None);
+    }
+
+    #[test]
+    fn a_device_moves_from_pending_to_succeeded_through_updating_and_baking() {
+        let r = rollout(60);
+        let mut d = device();
+        assert_eq!(state(&d, &r, at(0)), (MemberState::Pending, None));
+        d = patched(&d, &change(&d, &r, 1_000).unwrap());
+        d.metadata.generation = Some(4);
+        assert_eq!(state(&d, &r, at(2_000)), (MemberState::Updating, None));
+        reports(&mut d, 4, "2.0.0", 5_000);
+        assert_eq!(state(&d, &r, at(6_000)), (MemberState::Baking, None));
+        assert_eq!(state(&d, &r, at(65_000)), (MemberState::Succeeded, None));
+    }
+
+    #[test]
+    fn silence_past_the_time_out_and_an_install_failure_are_failures_of_their_class() {
+        let r = rollout(0);
+        let mut d = device();
+        d = patched(&d, &change(&d, &r, 1_000).unwrap());
+        d.metadata.generation = Some(4);
+        assert_eq!(
+            state(&d, &r, at(1_000 + 600_001)),
+            (MemberState::Failed, Some(FailureClass::TimedOut))
+        );
+        d.status.as_mut().unwrap().conditions = vec![Condition {
+            type_: condition::UPDATE_FAILED.into(),
+            status: "True".into(),
+            reason: "InstallFailed".into(),
+            message: String::new(),
+            observed_generation: Some(4),
+            last_transition_time: Time(at(3_000)),
+        }];
+        assert_eq!(
+            state(&d, &r, at(4_000)),
+            (MemberState::Failed, Some(FailureClass::InstallFailed))
+        );
+    }
+
+    #[test]
+    fn a_device_at_the_target_already_is_done_and_another_rollouts_device_waits() {
+        let r = rollout(60);
+        let mut d = device();
+        d.spec.firmware = Some(firmware("2.0.0"));
+        d.spec
+            .desired
+            .insert("setpoint".into(), PropertyValue::Float(19.5));
+        d.spec
+            .desired
+            .insert("mode".into(), PropertyValue::String("eco".into()));
+        reports(&mut d, 3, "2.0.0", 0);
+        assert_eq!(state(&d, &r, at(1)), (MemberState::Succeeded, None));
+
+        let mut other = rollout(60);
+        other.metadata.uid = Some("another".into());
+        let d = patched(&device(), &change(&device(), &other, 1_000).unwrap());
+        assert_eq!(state(&d, &r, at(2_000)), (MemberState::Pending, None));
+    }
+}
