@@ -152,6 +152,8 @@ fn limit(share: &IntOrString, of: usize) -> usize {
 /// A rollout's plan: the order of its members, their stages, and its limits.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Plan {
+    /// The member indices in plan order: round-robin across domains.
+    pub order: Vec<usize>,
     /// Each member's stage (0: the canary), by member index.
     pub stage: Vec<usize>,
     /// How many stages there are.
@@ -219,6 +221,7 @@ impl Plan {
             domain_max_unavailable.insert(name.clone(), max);
         }
         Some(Plan {
+            order,
             stage,
             stages: bounds.len(),
             domain_canary,
@@ -270,8 +273,9 @@ impl Plan {
         summary
     }
 
-    /// The members that may start updating now (by index, in plan order
-    /// within the stage), given where every member stands.
+    /// The members that may start updating now, by index, in plan order
+    /// (so a tight overall limit is shared by the domains in turn), given
+    /// where every member stands.
     pub fn to_start(&self, members: &[Member]) -> Vec<usize> {
         let open = self.open_stage(members);
         let mut unavailable = members.iter().filter(|m| m.state.unavailable()).count();
@@ -286,7 +290,8 @@ impl Plan {
             }
         }
         let mut start = Vec::new();
-        for (i, m) in members.iter().enumerate() {
+        for &i in &self.order {
+            let m = &members[i];
             if unavailable >= self.max_unavailable {
                 break;
             }
@@ -399,6 +404,15 @@ mod tests {
             plan.to_start(&ms).contains(&0),
             "back, it starts in the open stage"
         );
+    }
+
+    /// When the overall limit is the tighter one, the sites share it in
+    /// plan order (one from each in turn), not the first sites first.
+    #[test]
+    fn a_tight_overall_limit_is_shared_by_the_sites_in_turn() {
+        let ms = members(&[10, 10, 10]);
+        let plan = Plan::new(&strategy("0", &[], "3", Some(("50%", "0"))), &ms).unwrap();
+        assert_eq!(plan.to_start(&ms), [0, 10, 20]);
     }
 
     #[test]

@@ -162,7 +162,9 @@ pub struct RolloutStrategy {
     #[serde(default = "default_canary")]
     pub canary: IntOrString,
     /// After the canary, the share of the rollout's Devices updated by the
-    /// end of each wave, rising; a last wave of 100% is implied.
+    /// end of each wave, rising; a last wave of 100% is implied. A wave
+    /// that comes to no more devices than the one before it (a small
+    /// fleet, or shares out of order) adds nothing.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(schema_with = "waves")]
     pub waves: Vec<IntOrString>,
