@@ -110,20 +110,18 @@ pub struct Member {
     pub reachable: bool,
 }
 
-/// A share resolved against a number of members.
+/// Which way a percentage of members is rounded.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Rounding {
+pub enum Rounding {
+    /// Up: stage sizes, canaries.
     Up,
+    /// Down: limits.
     Down,
 }
 
 /// `share` of `of` members: a count as it is (at most `of`), a percentage
 /// rounded as asked. `None` for a share that is neither.
-pub fn resolve(share: &IntOrString, of: usize, up: bool) -> Option<usize> {
-    resolve_rounded(share, of, if up { Rounding::Up } else { Rounding::Down })
-}
-
-fn resolve_rounded(share: &IntOrString, of: usize, rounding: Rounding) -> Option<usize> {
+pub fn resolve(share: &IntOrString, of: usize, rounding: Rounding) -> Option<usize> {
     match share {
         IntOrString::Int(n) => usize::try_from(*n).ok().map(|n| n.min(of)),
         IntOrString::String(s) => {
@@ -144,7 +142,7 @@ fn resolve_rounded(share: &IntOrString, of: usize, rounding: Rounding) -> Option
 /// Kubernetes does, but at least 1 while there is anyone, so a rollout can
 /// always move.
 fn limit(share: &IntOrString, of: usize) -> usize {
-    resolve_rounded(share, of, Rounding::Down)
+    resolve(share, of, Rounding::Down)
         .unwrap_or(0)
         .max(usize::from(of > 0))
 }
@@ -187,9 +185,9 @@ impl Plan {
         }
         // Stage boundaries, cumulative, rising; the canary first and a
         // last stage of everyone.
-        let mut bounds = vec![resolve(&strategy.canary, n, true)?];
+        let mut bounds = vec![resolve(&strategy.canary, n, Rounding::Up)?];
         for wave in &strategy.waves {
-            let bound = resolve(wave, n, true)?;
+            let bound = resolve(wave, n, Rounding::Up)?;
             if bound > *bounds.last().expect("the canary") {
                 bounds.push(bound);
             }
@@ -208,7 +206,7 @@ impl Plan {
         for (name, indices) in &by_domain {
             let size = indices.len();
             let canary = match domain {
-                Some(d) => resolve(&d.canary, size, true)?,
+                Some(d) => resolve(&d.canary, size, Rounding::Up)?,
                 None => 0,
             };
             for &i in indices.iter().take(canary) {
@@ -357,11 +355,15 @@ mod tests {
 
     #[test]
     fn shares_resolve_as_counts_or_rounded_percentages() {
-        assert_eq!(resolve(&share("5"), 3, true), Some(3), "a count is capped");
-        assert_eq!(resolve(&share("10%"), 15, true), Some(2));
-        assert_eq!(resolve(&share("10%"), 15, false), Some(1));
-        assert_eq!(resolve(&share("101%"), 15, true), None);
-        assert_eq!(resolve(&share("ten"), 15, true), None);
+        assert_eq!(
+            resolve(&share("5"), 3, Rounding::Up),
+            Some(3),
+            "a count is capped"
+        );
+        assert_eq!(resolve(&share("10%"), 15, Rounding::Up), Some(2));
+        assert_eq!(resolve(&share("10%"), 15, Rounding::Down), Some(1));
+        assert_eq!(resolve(&share("101%"), 15, Rounding::Up), None);
+        assert_eq!(resolve(&share("ten"), 15, Rounding::Up), None);
         assert_eq!(limit(&share("10%"), 5), 1, "a limit lets one through");
         assert_eq!(limit(&share("0%"), 0), 0);
     }

@@ -531,6 +531,29 @@ async fn await_policy_enforced(
     }
 }
 
+/// Checks that the API server refused a create (`result`) at admission,
+/// `422`, with a message containing each of `words`: what a person needs
+/// to mend `what` was wrong.
+pub fn assert_refused<T: std::fmt::Debug>(
+    result: Result<T, kube::Error>,
+    what: &str,
+    words: &[&str],
+) {
+    let err = result.expect_err(&format!("{what}: the API server accepted it"));
+    let kube::Error::Api(status) = err else {
+        panic!("{what}: expected an API refusal, got {err:?}");
+    };
+    eprintln!("{what}: {}", status.message);
+    assert_eq!(status.code, 422, "{what}: {status:?}");
+    for word in words {
+        assert!(
+            status.message.contains(word),
+            "{what}: refusal lacks {word:?}: {}",
+            status.message
+        );
+    }
+}
+
 /// "free space in DIR: N MiB" — empty logs above usually mean a full disk.
 fn free_space(dir: &Path) -> String {
     match nix::sys::statvfs::statvfs(dir) {

@@ -4,7 +4,7 @@
 //! the columns people look for.
 
 use edgefleet_shared::api::FleetRollout;
-use edgefleet_tests::{control_plane, test_namespace};
+use edgefleet_tests::{assert_refused, control_plane, test_namespace};
 use kube::api::{DynamicObject, PostParams};
 use kube::core::ApiResource;
 use kube::{Api, Client};
@@ -187,21 +187,11 @@ async fn invalid_rollouts_are_refused_with_actionable_messages() {
     for (i, (what, break_it, expected)) in cases.into_iter().enumerate() {
         let mut spec = valid_spec();
         break_it(&mut spec);
-        let err = create(&client, &ns, &format!("bad-{i}"), spec)
-            .await
-            .expect_err(&format!("{what}: the API server accepted it"));
-        let kube::Error::Api(status) = err else {
-            panic!("{what}: expected an API refusal, got {err:?}");
-        };
-        eprintln!("{what}: {}", status.message);
-        assert_eq!(status.code, 422, "{what}: {status:?}");
-        for word in expected {
-            assert!(
-                status.message.contains(word),
-                "{what}: refusal lacks {word:?}: {}",
-                status.message
-            );
-        }
+        assert_refused(
+            create(&client, &ns, &format!("bad-{i}"), spec).await,
+            what,
+            &expected,
+        );
     }
     // The spec every case broke is itself accepted.
     create(&client, &ns, "good", valid_spec()).await.unwrap();
