@@ -24,6 +24,7 @@ pub mod property;
 pub mod proto;
 pub mod rollout_member;
 pub mod rollout_plan;
+pub mod rollout_step;
 pub mod telemetry;
 pub mod topics;
 pub mod version;
