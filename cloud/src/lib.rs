@@ -7,7 +7,8 @@
 //! connected [`agents`] up to date. The Device [`reconcile`]r accepts
 //! generations (`observedGeneration`) and holds a finalizer until the edge
 //! dropped a deleted Device; steps people should see become Kubernetes
-//! [`events`]. [`liveness`] marks nodes without an agent unreachable after
+//! [`events`]. The [`rollout`] reconciler runs FleetRollouts over the
+//! Devices. [`liveness`] marks nodes without an agent unreachable after
 //! a grace period. [`run`] wires them. [`crds`] renders the API definitions.
 
 #![forbid(unsafe_code)]
@@ -21,6 +22,7 @@ pub mod events;
 pub mod index;
 pub mod liveness;
 pub mod reconcile;
+pub mod rollout;
 pub mod run;
 pub mod status;
 pub mod sync;

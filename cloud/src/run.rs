@@ -7,6 +7,7 @@ use std::num::NonZeroU32;
 use std::sync::Arc;
 
 use edgefleet_shared::ResourceKey;
+use edgefleet_shared::api::rollout::FleetRollout;
 use edgefleet_shared::api::{Device, EdgeNode};
 use edgefleet_shared::heartbeat::Heartbeat;
 use edgefleet_shared::proto::sync_server::SyncServer;
@@ -103,11 +104,13 @@ impl Controller {
             }
         }));
 
+        let (device_changed, device_changes) = tokio::sync::watch::channel(());
         tasks.spawn(feed_index(
             devices_api.clone(),
             writer,
             Arc::clone(&index),
             status.clone(),
+            device_changed,
         ));
         tasks.spawn(status.clone().run());
         devices.wait_until_ready().await?;
@@ -121,6 +124,23 @@ impl Controller {
             grace: settings.node_grace_period,
         };
         tasks.spawn(liveness.run());
+        let rollouts = crate::rollout::Context::new(
+            client.clone(),
+            devices.clone(),
+            edge_nodes.clone(),
+            Arc::clone(&agents),
+            status.clone(),
+            events.clone(),
+        );
+        let rollouts_api = match &settings.namespace {
+            Some(namespace) => Api::<FleetRollout>::namespaced(client.clone(), namespace),
+            None => Api::<FleetRollout>::all(client.clone()),
+        };
+        tasks.spawn(crate::rollout::run(
+            rollouts_api,
+            Arc::new(rollouts),
+            crate::rollout::throttled(device_changes, ROLLOUT_TRIGGER_PERIOD),
+        ));
         let context = Context::new(
             client.clone(),
             devices_api,
@@ -198,12 +218,18 @@ fn watch_backoff() -> ResetTimerBackoff<watcher::ExponentialBackoff> {
     ResetTimerBackoff::new(retries.into(), std::time::Duration::from_secs(60))
 }
 
-/// Keeps the index equal to the Devices in the API server.
+/// Rollouts look at their Devices again at most this often while Devices
+/// change (and every [`crate::rollout::TICK`] while they move anyway).
+pub const ROLLOUT_TRIGGER_PERIOD: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// Keeps the index equal to the Devices in the API server, and tells
+/// `changed` whenever a Device changes.
 async fn feed_index(
     api: Api<Device>,
     writer: reflector::store::Writer<Device>,
     index: Arc<Index>,
     status: StatusWriter,
+    changed: tokio::sync::watch::Sender<()>,
 ) {
     let mut relist = Vec::new();
     let events = watcher(api, watcher::Config::default())
@@ -211,6 +237,12 @@ async fn feed_index(
         .reflect(writer);
     futures::pin_mut!(events);
     while let Some(event) = events.next().await {
+        if matches!(
+            event,
+            Ok(watcher::Event::Apply(_) | watcher::Event::Delete(_) | watcher::Event::InitDone)
+        ) {
+            changed.send_replace(());
+        }
         match event {
             Ok(watcher::Event::Apply(device)) => index.upsert(&device),
             Ok(watcher::Event::Delete(device)) => {

@@ -264,6 +264,12 @@ impl StatusWriter {
         let _ = self.inner.agents.set(agents);
     }
 
+    /// Waits for a write of the budget. Other writers of the controller
+    /// (the rollout reconciler) spend the same budget as status writes.
+    pub async fn spend(&self) {
+        self.inner.limiter.until_ready().await;
+    }
+
     /// The writer's counters.
     pub fn metrics(&self) -> &StatusMetrics {
         &self.inner.metrics

@@ -22,6 +22,7 @@ pub mod fleet_view;
 pub mod mosquitto;
 pub mod powercut_fs;
 pub mod process;
+pub mod rollout_timeline;
 pub mod sim;
 pub mod stack;
 

@@ -437,6 +437,11 @@ async fn the_controller_may_do_what_it_does_and_nothing_else() {
         ("create", "edgefleet.io", "edgenodes", None),
         ("patch", "edgefleet.io", "edgenodes", None),
         ("patch", "edgefleet.io", "edgenodes/status", None),
+        // The FleetRollout reconciler.
+        ("list", "edgefleet.io", "fleetrollouts", None),
+        ("watch", "edgefleet.io", "fleetrollouts", None),
+        ("get", "edgefleet.io", "fleetrollouts", some_ns),
+        ("patch", "edgefleet.io", "fleetrollouts/status", some_ns),
         ("create", "", "events", some_ns),
         ("patch", "", "events", some_ns),
         ("create", "events.k8s.io", "events", some_ns),
@@ -454,6 +459,10 @@ async fn the_controller_may_do_what_it_does_and_nothing_else() {
         ("delete", "edgefleet.io", "edgenodes", None),
         ("update", "edgefleet.io", "edgenodes", None),
         ("get", "edgefleet.io", "rollouts", some_ns),
+        // Rollouts are people's to write; the controller writes their status.
+        ("create", "edgefleet.io", "fleetrollouts", some_ns),
+        ("patch", "edgefleet.io", "fleetrollouts", some_ns),
+        ("delete", "edgefleet.io", "fleetrollouts", some_ns),
         ("delete", "events.k8s.io", "events", some_ns),
         ("list", "", "events", some_ns),
         ("get", "", "secrets", own_ns),

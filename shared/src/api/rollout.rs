@@ -419,9 +419,13 @@ pub struct FleetRolloutStatus {
     /// A one-word summary.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub phase: Option<RolloutPhase>,
-    /// The stage in progress: `canary`, `1`, `2`, ….
+    /// The stage in progress: `canary`, `wave 1/3`, `wave 2/3`, ….
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub wave: Option<String>,
+    /// When the rollout started (left `Pending`). With `Snapshot`
+    /// membership, the Devices created by then are its members.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
     /// Devices by state, over the whole rollout.
     #[serde(default)]
     pub counts: StateCounts,
