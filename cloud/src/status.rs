@@ -51,6 +51,10 @@ pub const REACHABILITY_SHARE: u32 = 4;
 /// sooner.
 pub const LAST_SEEN_RESOLUTION: Duration = Duration::from_secs(60);
 
+/// The reason of `UpdateFailed` when the device says its firmware did not
+/// install.
+pub const INSTALL_FAILED: &str = "InstallFailed";
+
 /// A change to one Device's status.
 #[derive(Clone, Debug, PartialEq)]
 pub enum StatusChange {
@@ -72,6 +76,8 @@ pub enum StatusChange {
         properties: BTreeMap<String, PropertyValue>,
         /// Firmware it runs, if it said.
         firmware_version: Option<String>,
+        /// The applied generation's firmware did not install.
+        firmware_failure: Option<edgefleet_shared::codec::FirmwareFailure>,
         /// When the agent received the report (Unix milliseconds).
         received_at_ms: i64,
         /// Where it came from; `None` from an agent that does not say.
@@ -706,6 +712,7 @@ pub fn next_status(
                 applied_generation,
                 properties,
                 firmware_version,
+                firmware_failure,
                 received_at_ms,
                 origin,
             } => {
@@ -719,6 +726,20 @@ pub fn next_status(
                     next.last_report = Some(origin.clone());
                 }
                 reported = true;
+                if let Some(failure) = firmware_failure {
+                    set_condition(
+                        &mut next.conditions,
+                        condition::UPDATE_FAILED,
+                        true,
+                        INSTALL_FAILED,
+                        &format!(
+                            "firmware {} did not install: {}",
+                            failure.version, failure.reason
+                        ),
+                        *applied_generation,
+                        now,
+                    );
+                }
                 next.applied_generation = Some(*applied_generation);
                 next.reported = properties.clone();
                 if firmware_version.is_some() {
@@ -876,9 +897,52 @@ mod tests {
                 PropertyValue::Float(temperature),
             )]),
             firmware_version: Some("1.0.0".into()),
+            firmware_failure: None,
             received_at_ms: ms,
             origin: None,
         }
+    }
+
+    #[test]
+    fn a_firmware_that_did_not_install_fails_the_generation_the_device_applied() {
+        let mut failed = report(4, 20.0, 1_000);
+        if let StatusChange::Reported {
+            firmware_failure, ..
+        } = &mut failed
+        {
+            *firmware_failure = Some(edgefleet_shared::codec::FirmwareFailure {
+                version: "2.0.0".into(),
+                reason: "checksum mismatch".into(),
+            });
+        }
+        let next = next_status(&DeviceStatus::default(), &[failed], "u", 4, at(1_000));
+        let c = next
+            .conditions
+            .iter()
+            .find(|c| c.type_ == condition::UPDATE_FAILED)
+            .expect("UpdateFailed");
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str(), c.observed_generation),
+            ("True", INSTALL_FAILED, Some(4))
+        );
+        assert_eq!(
+            c.message,
+            "firmware 2.0.0 did not install: checksum mismatch"
+        );
+        let plain = next_status(
+            &DeviceStatus::default(),
+            &[report(4, 20.0, 1_000)],
+            "u",
+            4,
+            at(1_000),
+        );
+        assert!(
+            !plain
+                .conditions
+                .iter()
+                .any(|c| c.type_ == condition::UPDATE_FAILED),
+            "a report without a failure fails nothing"
+        );
     }
 
     fn report_from(store: &str, seq: u64, temperature: f64) -> StatusChange {
@@ -897,6 +961,7 @@ mod tests {
             applied_generation,
             properties,
             firmware_version,
+            firmware_failure: None,
             received_at_ms,
             origin: Some(ReportOrigin {
                 store: store.into(),

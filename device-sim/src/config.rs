@@ -37,6 +37,8 @@ pub struct RunConfig {
     /// 100` below it); the others report the same values until a desired
     /// state changes them.
     pub changing_percent: u8,
+    /// Install times, failures and bad versions.
+    pub firmware: std::sync::Arc<crate::firmware::FirmwareBehaviour>,
 }
 
 /// Where a node's agent serves CoAP and its MQTT broker listens, written
@@ -56,7 +58,7 @@ pub struct NodeEndpoint {
 /// A malformed command-line value.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error("{0}")]
-pub struct ParseError(String);
+pub struct ParseError(pub(crate) String);
 
 impl FromStr for NodeEndpoint {
     type Err = ParseError;

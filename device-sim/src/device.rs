@@ -7,16 +7,16 @@
 
 use std::time::Duration;
 
-use edgefleet_shared::codec::{DesiredState, DeviceReport};
+use std::sync::Arc;
+
+use edgefleet_shared::codec::{DesiredState, DeviceReport, FirmwareFailure};
 use rand::{RngExt, SeedableRng};
 
+use crate::firmware::{CRASH_EVERY, CRASHES, FirmwareBehaviour};
 use crate::model::{DeviceModel, ModelKind, Properties, SimRng};
 
 /// The firmware every device runs before it is told otherwise.
 pub const FACTORY_FIRMWARE: &str = "1.0.0";
-
-/// How long a simulated firmware install takes, at least and at most.
-pub const INSTALL_TIME: (Duration, Duration) = (Duration::from_secs(1), Duration::from_secs(3));
 
 /// What a device draws random numbers for. Each purpose is its own stream,
 /// so for instance network jitter never changes a model's trajectory.
@@ -61,8 +61,14 @@ pub struct SimDevice {
     rng: SimRng,
     applied_generation: i64,
     unknown: Properties,
+    kind: ModelKind,
     firmware: String,
     install: Option<Install>,
+    firmware_rules: Arc<FirmwareBehaviour>,
+    // The last install failed: reported until the next order.
+    failure: Option<FirmwareFailure>,
+    // Since when the device runs a bad firmware.
+    bad_since: Option<Duration>,
     clock: Duration,
     // A steady device's readings do not drift: it reports the same values
     // until a desired state changes them.
@@ -80,8 +86,12 @@ impl SimDevice {
             rng,
             applied_generation: 0,
             unknown: Properties::new(),
+            kind,
             firmware: FACTORY_FIRMWARE.to_owned(),
             install: None,
+            firmware_rules: Arc::new(FirmwareBehaviour::default()),
+            failure: None,
+            bad_since: None,
             clock: Duration::ZERO,
             steady: false,
         }
@@ -90,6 +100,12 @@ impl SimDevice {
     /// The same device, with readings that never drift if `steady`.
     pub fn with_steady(mut self, steady: bool) -> Self {
         self.steady = steady;
+        self
+    }
+
+    /// The same device, with these firmware rules.
+    pub fn with_firmware_rules(mut self, rules: Arc<FirmwareBehaviour>) -> Self {
+        self.firmware_rules = rules;
         self
     }
 
@@ -113,8 +129,9 @@ impl SimDevice {
     /// Any generation other than the one applied last is applied, older ones
     /// too: a Device deleted and created again starts over at generation 1.
     /// A firmware order for a version the device neither runs nor installs
-    /// starts an install, which completes in [`INSTALL_TIME`]; a desired
-    /// state without one cancels an install under way.
+    /// starts an install, which takes the rules' install time and may fail
+    /// (the device keeps its firmware and reports the failure until the next
+    /// order); a desired state without one cancels an install under way.
     pub fn apply(&mut self, desired: &DesiredState, now: Duration) -> Applied {
         self.advance(now);
         if desired.generation == self.applied_generation {
@@ -130,6 +147,7 @@ impl SimDevice {
             .collect();
         self.applied_generation = desired.generation;
 
+        self.failure = None;
         match &desired.firmware {
             None => self.install = None,
             Some(order) if order.version == self.firmware => self.install = None,
@@ -139,7 +157,7 @@ impl SimDevice {
                     .as_ref()
                     .is_some_and(|i| i.version == order.version) => {}
             Some(order) => {
-                let (min, max) = INSTALL_TIME;
+                let (min, max) = self.firmware_rules.install_time;
                 let took = self.rng.random_range(min.as_secs_f64()..=max.as_secs_f64());
                 self.install = Some(Install {
                     version: order.version.clone(),
@@ -156,6 +174,7 @@ impl SimDevice {
         self.applied_generation = 0;
         self.unknown.clear();
         self.install = None;
+        self.failure = None;
     }
 
     /// Advances the simulation to `now` (an earlier time is ignored).
@@ -169,6 +188,20 @@ impl SimDevice {
         }
         match self.install.take() {
             Some(install) if install.done_at <= self.clock => {
+                let chance = self
+                    .firmware_rules
+                    .failure_percent(self.kind, &install.version);
+                if self.rng.random_range(0..100u8) < chance {
+                    self.failure = Some(FirmwareFailure {
+                        reason: format!("the image of {} failed verification", install.version),
+                        version: install.version,
+                    });
+                    return false;
+                }
+                self.bad_since = self
+                    .firmware_rules
+                    .is_bad(&install.version)
+                    .then_some(install.done_at);
                 self.firmware = install.version;
                 true
             }
@@ -183,10 +216,15 @@ impl SimDevice {
     pub fn report(&self) -> DeviceReport {
         let mut properties = self.unknown.clone();
         properties.extend(self.model.properties());
+        if let Some(since) = self.bad_since {
+            let crashes = 1 + (self.clock.saturating_sub(since).as_secs() / CRASH_EVERY.as_secs());
+            properties.insert(CRASHES.to_owned(), (crashes as i64).into());
+        }
         DeviceReport {
             applied_generation: self.applied_generation,
             properties,
             firmware_version: Some(self.firmware.clone()),
+            firmware_failure: self.failure.clone(),
         }
     }
 }
@@ -334,6 +372,50 @@ mod tests {
         // Re-created: generation 1 again, lower than before, still applied.
         assert_eq!(device.apply(&desired(1, &[]), secs(1.0)), Applied::New);
         assert_eq!(device.applied_generation(), 1);
+    }
+
+    #[test]
+    fn a_failed_install_keeps_the_firmware_and_is_reported_until_the_next_order() {
+        let rules = FirmwareBehaviour {
+            failures: vec!["meter/2.0.0=100".parse().unwrap()],
+            ..FirmwareBehaviour::default()
+        };
+        let mut device =
+            SimDevice::new(ModelKind::Meter, 1, 0).with_firmware_rules(Arc::new(rules));
+        device.apply(&with_firmware(desired(2, &[]), "2.0.0"), secs(0.0));
+        assert!(!device.advance(secs(10.0)), "nothing installed");
+        let report = device.report();
+        assert_eq!(report.firmware_version.as_deref(), Some(FACTORY_FIRMWARE));
+        assert_eq!(report.applied_generation, 2);
+        assert_eq!(
+            report.firmware_failure.map(|f| f.version).as_deref(),
+            Some("2.0.0")
+        );
+        device.apply(&desired(3, &[]), secs(11.0));
+        assert_eq!(
+            device.report().firmware_failure,
+            None,
+            "a new order clears it"
+        );
+    }
+
+    #[test]
+    fn a_bad_firmware_installs_and_then_the_device_crashes() {
+        let rules = FirmwareBehaviour {
+            bad: vec!["2.0.0".into()],
+            ..FirmwareBehaviour::default()
+        };
+        let mut device =
+            SimDevice::new(ModelKind::Thermostat, 1, 0).with_firmware_rules(Arc::new(rules));
+        assert!(!device.report().properties.contains_key(CRASHES));
+        device.apply(&with_firmware(desired(2, &[]), "2.0.0"), secs(0.0));
+        let due = device.install_due().unwrap();
+        assert!(device.advance(due));
+        assert_eq!(device.firmware_version(), "2.0.0");
+        let crashes = |d: &SimDevice| d.report().properties.get(CRASHES).cloned();
+        assert_eq!(crashes(&device), Some(PropertyValue::Int(1)));
+        device.advance(due + CRASH_EVERY * 3);
+        assert_eq!(crashes(&device), Some(PropertyValue::Int(4)));
     }
 
     #[test]

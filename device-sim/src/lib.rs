@@ -8,6 +8,7 @@
 //!
 //! - [`fleet`]: names, nodes, models and transports of the devices;
 //! - [`model`]: the device models; [`device`]: one device without I/O;
+//!   [`firmware`]: install times, failures and bad versions;
 //! - [`manifest`]: the Device resources of a fleet;
 //! - [`retransmit`]: RFC 7252 retransmission schedule;
 //! - [`coap`]: the shared CoAP client; [`mqtt`]: the per-node MQTT session;
@@ -21,6 +22,7 @@ pub mod coap;
 pub mod config;
 pub mod device;
 pub mod events;
+pub mod firmware;
 pub mod fleet;
 pub mod manifest;
 pub mod model;

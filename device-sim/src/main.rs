@@ -17,6 +17,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
 use edgefleet_sim::config::{node_name, parse_duration};
+use edgefleet_sim::firmware::{FirmwareBehaviour, InstallFailure, parse_duration_range};
 use edgefleet_sim::fleet::FleetSpec;
 use edgefleet_sim::model::ModelKind;
 use edgefleet_sim::retransmit::RetransmitParams;
@@ -134,6 +135,27 @@ struct RunArgs {
     /// values until a desired state changes them.
     #[arg(long, env = "EDGEFLEET_SIM_CHANGING_PERCENT", default_value_t = 100, value_parser = clap::value_parser!(u8).range(0..=100))]
     changing_percent: u8,
+    /// How long a firmware install (download, install, reboot) takes:
+    /// `MIN..MAX`, drawn per install.
+    #[arg(long, env = "EDGEFLEET_SIM_INSTALL_TIME", default_value = "1s..3s", value_parser = parse_duration_range)]
+    install_time: (Duration, Duration),
+    /// `[MODEL/]VERSION=PERCENT`: installing VERSION (on MODEL) fails this
+    /// often; the device keeps its firmware and reports the failure.
+    /// Repeatable; the first rule that matches counts.
+    #[arg(
+        long = "install-failure",
+        env = "EDGEFLEET_SIM_INSTALL_FAILURES",
+        value_delimiter = ','
+    )]
+    install_failures: Vec<InstallFailure>,
+    /// A firmware VERSION that installs fine and then makes the device
+    /// crash (it reports a growing `crashes` property). Repeatable.
+    #[arg(
+        long = "bad-firmware",
+        env = "EDGEFLEET_SIM_BAD_FIRMWARE",
+        value_delimiter = ','
+    )]
+    bad_firmware: Vec<String>,
     /// CoAP ACK_TIMEOUT: the shortest wait before a retransmission.
     #[arg(long, env = "EDGEFLEET_SIM_COAP_ACK_TIMEOUT", default_value = "2s", value_parser = parse_duration)]
     coap_ack_timeout: Duration,
@@ -180,6 +202,11 @@ async fn simulate(args: RunArgs) -> anyhow::Result<()> {
         },
         event_every: args.event_every,
         changing_percent: args.changing_percent,
+        firmware: std::sync::Arc::new(FirmwareBehaviour {
+            install_time: args.install_time,
+            failures: args.install_failures,
+            bad: args.bad_firmware,
+        }),
     };
     let shutdown = shutdown_signal(args.duration)?;
     let summary = edgefleet_sim::run(config, shutdown).await?;

@@ -271,7 +271,8 @@ impl NodeContext<'_> {
             let device = DeviceTask {
                 id: format!("{}/{}", key.namespace, key.name),
                 device: SimDevice::new(slot.model, self.config.seed, slot.index)
-                    .with_steady(slot.index % 100 >= usize::from(self.config.changing_percent)),
+                    .with_steady(slot.index % 100 >= usize::from(self.config.changing_percent))
+                    .with_firmware_rules(Arc::clone(&self.config.firmware)),
                 net_rng: device_rng(self.config.seed, slot.index, Purpose::Network),
                 inbox,
                 reporter,

@@ -215,6 +215,7 @@ fn config(
         retransmit: RetransmitParams::default(),
         event_every: 0,
         changing_percent: 100,
+        firmware: Default::default(),
     }
 }
 

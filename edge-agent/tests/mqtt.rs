@@ -141,6 +141,7 @@ async fn desired_state_is_published_retained_and_reports_are_stored() {
         applied_generation: 2,
         properties: BTreeMap::from([("temperature".to_owned(), PropertyValue::Float(22.0))]),
         firmware_version: None,
+        firmware_failure: None,
     };
     let publish = |topic: String, payload: Vec<u8>| {
         let client = device_client.clone();

@@ -29,6 +29,7 @@ fn report(generation: i64, temperature: f64) -> DeviceReport {
         applied_generation: generation,
         properties: BTreeMap::from([("temperature".to_owned(), PropertyValue::Float(temperature))]),
         firmware_version: Some("1.0.0".into()),
+        firmware_failure: None,
     }
 }
 

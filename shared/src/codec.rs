@@ -33,7 +33,27 @@ pub struct DeviceReport {
     /// The firmware the device runs.
     #[serde(rename = "fw", default, skip_serializing_if = "Option::is_none")]
     pub firmware_version: Option<String>,
+    /// The firmware of the applied desired state did not install: the
+    /// device runs `firmware_version` still and does not retry. Like the
+    /// Update Result of LwM2M's Firmware Update object, it stays in the
+    /// device's reports until another order.
+    #[serde(rename = "ff", default, skip_serializing_if = "Option::is_none")]
+    pub firmware_failure: Option<FirmwareFailure>,
 }
+
+/// A firmware install that failed.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FirmwareFailure {
+    /// The version that did not install.
+    #[serde(rename = "v")]
+    pub version: String,
+    /// Why, for people.
+    #[serde(rename = "r")]
+    pub reason: String,
+}
+
+/// The longest firmware failure reason, in bytes.
+pub const MAX_FAILURE_REASON: usize = 256;
 
 /// Agent → device: what the device should look like.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -186,6 +206,13 @@ impl WireMessage for DeviceReport {
                 self.applied_generation
             )));
         }
+        if let Some(f) = &self.firmware_failure
+            && (f.version.is_empty() || f.version.len() > 64 || f.reason.len() > MAX_FAILURE_REASON)
+        {
+            return Err(CodecError::Invalid(format!(
+                "firmware failure: a version of 1 to 64 bytes and a reason of at most {MAX_FAILURE_REASON} bytes"
+            )));
+        }
         validate_properties(&self.properties)
     }
 }
@@ -317,6 +344,7 @@ mod tests {
                 ("temperature".to_owned(), PropertyValue::Float(21.25)),
             ]),
             firmware_version: Some("1.4.2".into()),
+            firmware_failure: None,
         }
     }
 
@@ -513,6 +541,7 @@ mod tests {
             applied_generation: 0,
             properties: too_many,
             firmware_version: None,
+            firmware_failure: None,
         };
         let bytes = serde_cbor::to_vec(&report).unwrap();
         assert!(matches!(
@@ -540,7 +569,7 @@ mod tests {
             props in proptest::collection::btree_map("[a-z][a-z0-9_]{0,15}", property_value(), 0..12),
             fw in proptest::option::of("[0-9]{1,3}\\.[0-9]{1,3}\\.[0-9]{1,3}"),
         ) {
-            let report = DeviceReport { applied_generation: generation, properties: props, firmware_version: fw };
+            let report = DeviceReport { applied_generation: generation, properties: props, firmware_version: fw, firmware_failure: None };
             let bytes = encode(&report).unwrap();
             prop_assert_eq!(decode::<DeviceReport>(&bytes).unwrap(), report);
         }

@@ -148,6 +148,7 @@ pub fn numbered_report(value: i64) -> edgefleet_shared::codec::DeviceReport {
         )]
         .into(),
         firmware_version: None,
+        firmware_failure: None,
     }
 }
 

@@ -266,6 +266,7 @@ async fn a_device_report_over_coap_reaches_device_status_and_bad_input_is_refuse
             ("temperature".to_owned(), PropertyValue::Float(19.75)),
         ]),
         firmware_version: Some("1.2.0".into()),
+        firmware_failure: None,
     };
     let response = device
         .send(
@@ -396,6 +397,7 @@ async fn with_mosquitto_an_mqtt_device_gets_desired_state_and_its_reports_reach_
         applied_generation: desired.generation,
         properties: BTreeMap::from([("temperature".to_owned(), PropertyValue::Float(18.5))]),
         firmware_version: Some("2.0.1".into()),
+        firmware_failure: None,
     };
     device
         .publish(

@@ -410,6 +410,7 @@ impl FakeMqttDevice {
             )]
             .into(),
             firmware_version: None,
+            firmware_failure: None,
         };
         let payload = edgefleet_shared::codec::encode(&report).unwrap();
         self.client

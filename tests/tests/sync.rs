@@ -162,6 +162,7 @@ async fn a_device_reaches_its_agent_and_its_report_reaches_status() {
             ("temperature".to_owned(), PropertyValue::Float(20.25)),
         ]),
         firmware_version: Some("1.0.3".into()),
+        firmware_failure: None,
     };
     store
         .record_report(&key, report.clone(), 1_700_000_000_000)
@@ -356,6 +357,7 @@ async fn a_report_for_a_device_of_another_node_is_refused_and_counted() {
         applied_generation: 1,
         properties: BTreeMap::from([("temperature".to_owned(), PropertyValue::Float(99.0))]),
         firmware_version: None,
+        firmware_failure: None,
     };
     store
         .record_report(&ResourceKey::device(&ns, "theirs"), report, 1)
@@ -508,6 +510,7 @@ async fn a_report_reaches_status_without_waiting_behind_an_event_backlog() {
         applied_generation: 1,
         properties: BTreeMap::from([("temperature".to_owned(), PropertyValue::Float(19.5))]),
         firmware_version: None,
+        firmware_failure: None,
     };
     store
         .record_report(&key, report.clone(), edgefleet_shared::now_unix_ms())
@@ -978,6 +981,7 @@ fn report_about(
         )]
         .into(),
         firmware_version: String::new(),
+        firmware_failure: None,
         received_at_ms: 1_700_000_000_000,
     };
     proto::agent_message::Kind::Uplink(proto::Uplink {
@@ -1215,6 +1219,7 @@ async fn an_absent_agent_makes_its_node_and_devices_unreachable_until_it_returns
         applied_generation: 1,
         properties: BTreeMap::from([("setpoint".to_owned(), PropertyValue::Float(20.0))]),
         firmware_version: None,
+        firmware_failure: None,
     };
     store
         .record_report(&key, report, 1_700_000_000_000)

@@ -29,6 +29,7 @@ use edgefleet_shared::{ResourceKey, ResourceVersion};
 use crate::device_events::{DeviceEvent, DroppedNotice};
 use crate::index::{NodeSlice, difference};
 use crate::status::StatusChange;
+use edgefleet_shared::codec::FirmwareFailure;
 
 /// Most resources in one Update, so one message stays small.
 pub const MAX_RESOURCES_PER_UPDATE: usize = 256;
@@ -530,11 +531,16 @@ impl Session {
             applied_generation: report.applied_generation,
             properties,
             firmware_version: None,
+            firmware_failure: report.firmware_failure.map(|f| FirmwareFailure {
+                version: f.version,
+                reason: f.reason,
+            }),
         };
         if checked.validate().is_err() {
             return Err("invalid_report");
         }
         let properties = checked.properties;
+        let firmware_failure = checked.firmware_failure;
         Ok(Accepted::Status(
             key,
             StatusChange::Reported {
@@ -543,6 +549,7 @@ impl Session {
                 properties,
                 firmware_version: (!report.firmware_version.is_empty())
                     .then_some(report.firmware_version),
+                firmware_failure,
                 received_at_ms: report.received_at_ms,
                 origin: (!self.store_id.is_empty()).then(|| ReportOrigin {
                     store: self.store_id.clone(),

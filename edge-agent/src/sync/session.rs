@@ -263,6 +263,13 @@ pub fn uplink_body(pending: PendingUplink) -> uplink_entry::Body {
                 .iter()
                 .map(|(k, v)| (k.clone(), v.into()))
                 .collect(),
+            firmware_failure: latest
+                .report
+                .firmware_failure
+                .map(|f| proto::FirmwareFailure {
+                    version: f.version,
+                    reason: f.reason,
+                }),
             firmware_version: latest.report.firmware_version.unwrap_or_default(),
             received_at_ms: latest.received_at_ms,
             device_uid: latest.uid,
@@ -384,6 +391,7 @@ mod tests {
                 applied_generation: 1,
                 properties: BTreeMap::new(),
                 firmware_version: None,
+                firmware_failure: None,
             },
         };
         let device = ResourceKey::device("plant", "a");

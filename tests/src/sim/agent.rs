@@ -237,6 +237,7 @@ impl Agent {
                 ("n".to_owned(), PropertyValue::Int(marker)),
             ]),
             firmware_version: None,
+            firmware_failure: None,
         };
         let latest = LatestReport {
             seq,
