@@ -144,6 +144,18 @@ async fn reconcile(rollout: Arc<FleetRollout>, context: Arc<Context>) -> Result<
     }
     let now = Timestamp::now();
     let current = rollout.status.clone().unwrap_or_default();
+    // A finished rollout is left alone until its spec changes (an abort of
+    // a completed rollout still rolls it back); with Dynamic membership a
+    // completed rollout goes on taking late joiners.
+    let finished = matches!(
+        current.phase,
+        Some(RolloutPhase::Complete | RolloutPhase::RolledBack)
+    ) && current.observed_generation == rollout.metadata.generation
+        && (rollout.spec.membership == Membership::Snapshot
+            || current.phase == Some(RolloutPhase::RolledBack));
+    if finished {
+        return Ok(Action::await_change());
+    }
     let (mut status, action) = match context.plan(&rollout, now) {
         Err(refusal) => (refusal.status(&rollout, &current), Action::await_change()),
         Ok(Planned::Waiting { other, shared }) => {
@@ -294,6 +306,7 @@ impl Context {
                 }
                 _ => d,
             })
+            .filter(|d| !self.taken_over(rollout, d))
             .filter(|d| {
                 let ours = matches!(record(d), Some(Ok(r)) if r.uid == uid);
                 let selected = devices_selector.matches(d.labels())
@@ -373,16 +386,30 @@ impl Context {
         Some((now - since).get_milliseconds().max(0))
     }
 
+    /// Whether `device` was changed by a newer rollout than `rollout` (one
+    /// that waited for it): it is that rollout's now, and no longer a member
+    /// here.
+    fn taken_over(&self, rollout: &FleetRollout, device: &Device) -> bool {
+        let Some(Ok(r)) = record(device) else {
+            return false;
+        };
+        if Some(&r.uid) == rollout.metadata.uid.as_ref() || r.rolled_back {
+            return false;
+        }
+        let Some(rollouts) = self.rollouts.get() else {
+            return false;
+        };
+        rollouts
+            .state()
+            .iter()
+            .find(|o| o.metadata.uid.as_ref() == Some(&r.uid))
+            .is_some_and(|other| order(other) > order(rollout))
+    }
+
     /// An older unfinished rollout of the namespace that selects one of
     /// `members`, and how many.
     fn older_overlap(&self, rollout: &FleetRollout, members: &Members) -> Option<(String, usize)> {
         let rollouts = self.rollouts.get()?;
-        let order = |r: &FleetRollout| {
-            (
-                r.metadata.creation_timestamp.clone().map(|t| t.0),
-                r.name_any(),
-            )
-        };
         let mine = order(rollout);
         let mut older: Vec<Arc<FleetRollout>> = rollouts
             .state()
@@ -522,6 +549,14 @@ impl Context {
     }
 }
 
+/// Which of two rollouts is older: by creation time, then by name.
+fn order(r: &FleetRollout) -> (Option<Timestamp>, String) {
+    (
+        r.metadata.creation_timestamp.clone().map(|t| t.0),
+        r.name_any(),
+    )
+}
+
 /// The status that shows `step`, keeping what `current` says of the rest.
 fn status_of(current: &FleetRolloutStatus, step: &Step) -> FleetRolloutStatus {
     let mut status = FleetRolloutStatus {
@@ -556,6 +591,15 @@ fn wanted(
 fn set_conditions(status: &mut FleetRolloutStatus, wanted: &[WantedCondition]) {
     let now = Time(Timestamp::now());
     for w in wanted {
+        // Why a rollback began (a threshold, an abort) stays its reason
+        // after the failures that caused it were changed back.
+        let began = status
+            .conditions
+            .iter()
+            .any(|c| c.type_ == "RolledBack" && c.status == "True");
+        if w.type_ == "RolledBack" && w.status && began {
+            continue;
+        }
         crate::conditions::set(
             &mut status.conditions,
             Condition {

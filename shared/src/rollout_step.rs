@@ -156,6 +156,8 @@ pub fn step(spec: &FleetRolloutSpec, members: &[MemberInput]) -> Step {
         } else {
             match &step.breach {
                 Some(b) => ("FailureThreshold", b.to_string()),
+                // The cause is gone with the change: the caller keeps the
+                // reason it showed when the rollback began.
                 None => ("RolledBack", "a rollback began earlier".to_owned()),
             }
         };
@@ -174,10 +176,7 @@ pub fn step(spec: &FleetRolloutSpec, members: &[MemberInput]) -> Step {
                 type_: "RolledBack",
                 status: true,
                 reason: why.0,
-                message: match done {
-                    true => format!("{}; every device changed back", why.1),
-                    false => format!("{}; changing devices back", why.1),
-                },
+                message: why.1,
             },
         ];
         return step;

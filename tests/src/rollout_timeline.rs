@@ -87,6 +87,12 @@ pub struct Timeline {
     pub violations: Vec<String>,
     /// Each member's latest state.
     pub states: BTreeMap<String, MemberState>,
+    /// Members changed more than once by the rollout (two records with
+    /// different times): what a controller restarting mid-rollout must
+    /// never do.
+    pub changed_twice: Vec<String>,
+    // The time of each member's change, from its record.
+    changed_at: BTreeMap<String, i64>,
 }
 
 /// Records the timeline of `rollout` (as created, with its uid) over the
@@ -149,9 +155,19 @@ fn observe(
         .map(|(n, d)| (n, rollout_member::state(d, rollout, now).0))
         .collect();
     let state = states[&name.to_owned()];
-    let changed_now = rollout_member::record(&devices[name])
+    let ours = rollout_member::record(&devices[name])
         .and_then(Result::ok)
-        .is_some_and(|r| Some(&r.uid) == rollout.metadata.uid.as_ref());
+        .filter(|r| Some(&r.uid) == rollout.metadata.uid.as_ref());
+    let changed_now = ours.is_some();
+    if let Some(r) = &ours {
+        let first = *t
+            .changed_at
+            .entry(name.to_owned())
+            .or_insert(r.changed_at_ms);
+        if first != r.changed_at_ms && !t.changed_twice.iter().any(|n| n == name) {
+            t.changed_twice.push(name.to_owned());
+        }
+    }
     if changed_now && !t.changed.iter().any(|n| n == name) {
         t.changed.push(name.to_owned());
         check_order(t, &states, name, expect);

@@ -18,6 +18,9 @@ use serde_json::{Value, json};
 /// The label of a site on its EdgeNode.
 const SITE: &str = "edgefleet.io/site";
 
+/// The firmware the simulated devices run at first.
+const FACTORY: &str = edgefleet_sim::device::FACTORY_FIRMWARE;
+
 /// Sites (one agent each) with their simulated devices, every device
 /// applied, each EdgeNode labelled with its site.
 struct Sites {
@@ -53,13 +56,30 @@ impl Sites {
         };
         let mut stack = Stack::start(spec, cp.kubeconfig()).await.unwrap();
         stack.apply_devices(&client).await.unwrap();
-        let sim_args: Vec<String> = ["--report-interval=1s"]
+        let devices_api: Api<Device> = Api::namespaced(client.clone(), &ns);
+        // Every device runs the factory firmware; its Device says so, so a
+        // rollback has a version to go back to.
+        let factory = json!({ "spec": { "firmware": { "version": FACTORY } } });
+        for d in devices_api.list(&Default::default()).await.unwrap() {
+            devices_api
+                .patch(
+                    &d.name_any(),
+                    &PatchParams::default(),
+                    &Patch::Merge(&factory),
+                )
+                .await
+                .unwrap();
+        }
+        let mut defaults = vec!["--report-interval=500ms"];
+        if !sim_args.iter().any(|a| a.starts_with("--install-time")) {
+            defaults.push("--install-time=300ms..800ms");
+        }
+        let sim_args: Vec<String> = defaults
             .iter()
             .chain(sim_args)
             .map(|s| (*s).to_owned())
             .collect();
         stack.start_sim(&sim_args).unwrap();
-        let devices_api: Api<Device> = Api::namespaced(client.clone(), &ns);
         let listed = eventually("every device applied its desired state", || async {
             let list = devices_api.list(&Default::default()).await.ok()?;
             let applied = list
@@ -123,15 +143,32 @@ impl Sites {
         phase: RolloutPhase,
         patience: Duration,
     ) -> FleetRollout {
-        eventually_within(
-            patience,
-            &format!("rollout {name} is {phase:?}"),
-            || async {
-                let r = self.rollouts.get(name).await.ok()?;
-                (r.status.as_ref()?.phase == Some(phase)).then_some(r)
-            },
-        )
-        .await
+        let deadline = tokio::time::Instant::now() + patience;
+        loop {
+            let r = self.rollouts.get(name).await.unwrap();
+            if r.status.as_ref().and_then(|s| s.phase) == Some(phase) {
+                return r;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                let devices = self.devices.list(&Default::default()).await.unwrap();
+                for d in devices {
+                    eprintln!(
+                        "{}: generation {:?}, spec firmware {:?}, record {:?}, status {:?}",
+                        d.name_any(),
+                        d.metadata.generation,
+                        d.spec.firmware.as_ref().map(|f| &f.version),
+                        d.annotations()
+                            .get(edgefleet_shared::rollout_member::RECORD_ANNOTATION),
+                        d.status
+                    );
+                }
+                panic!(
+                    "rollout {name} is not {phase:?} after {patience:?}; its status: {:#?}",
+                    r.status
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     /// Every device's firmware as it reports it.
@@ -219,5 +256,337 @@ async fn a_rollout_goes_canary_then_waves_within_its_limits_at_every_moment() {
         firmware.values().all(|v| v.as_deref() == Some("2.0.0")),
         "{firmware:?}"
     );
+    sites.stack.shutdown();
+}
+
+/// Each Device's spec firmware and the firmware its device reports.
+async fn spec_and_reported(
+    devices: &Api<Device>,
+) -> BTreeMap<String, (Option<String>, Option<String>)> {
+    let list = devices.list(&Default::default()).await.unwrap();
+    list.items
+        .iter()
+        .map(|d| {
+            let spec = d.spec.firmware.as_ref().map(|f| f.version.clone());
+            let reported = d.status.as_ref().and_then(|s| s.firmware_version.clone());
+            (d.name_any(), (spec, reported))
+        })
+        .collect()
+}
+
+fn condition<'a>(rollout: &'a FleetRollout, type_: &str) -> (&'a str, &'a str, &'a str) {
+    let c = rollout
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.iter().find(|c| c.type_ == type_))
+        .unwrap_or_else(|| panic!("no {type_} condition"));
+    (c.status.as_str(), c.reason.as_str(), c.message.as_str())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn install_failures_under_the_thresholds_let_the_rollout_complete_with_them_counted() {
+    // About one install in five fails (seeded: the same devices every run).
+    let sites = Sites::start("fro-fail", 2, 20, &["--install-failure=2.0.0=20"]).await;
+    let (_, recorder) = sites
+        .roll_out(
+            "fw-2",
+            json!({
+                "target": firmware_target("2.0.0"),
+                "selector": {},
+                "strategy": { "canary": 2, "maxUnavailable": 4 },
+                "failurePolicy": {
+                    "thresholds": [{ "scope": "Overall", "percent": 60, "minSample": 5 }],
+                    "action": "Rollback",
+                    "rollbackScope": "All",
+                },
+            }),
+        )
+        .await;
+    let done = sites
+        .wait_for_phase("fw-2", RolloutPhase::Complete, Duration::from_secs(120))
+        .await;
+    let timeline = recorder.finish();
+    assert_limits(&timeline, 4, 4);
+    let failed = timeline.failed.len();
+    assert!(failed > 0, "the test needs some failures; none happened");
+    let status = done.status.as_ref().unwrap();
+    assert_eq!(status.counts.failed as usize, failed, "{status:?}");
+    assert_eq!(status.counts.succeeded as usize, 20 - failed);
+    let (degraded, reason, _) = condition(&done, "Degraded");
+    assert_eq!((degraded, reason), ("False", "FailuresBelowThreshold"));
+    // The failed ones run what they ran, the others the target.
+    let firmware = spec_and_reported(&sites.devices).await;
+    for (name, (_, reported)) in &firmware {
+        let expected = match timeline.failed.contains(name) {
+            true => FACTORY,
+            false => "2.0.0",
+        };
+        assert_eq!(reported.as_deref(), Some(expected), "{name}");
+    }
+    sites.stack.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crossing_a_failure_threshold_rolls_every_changed_device_back() {
+    let sites = Sites::start("fro-rollback", 2, 16, &["--install-failure=2.0.0=50"]).await;
+    let (_, recorder) = sites
+        .roll_out(
+            "fw-2",
+            json!({
+                "target": firmware_target("2.0.0"),
+                "selector": {},
+                "strategy": { "canary": 2, "maxUnavailable": 4 },
+                "failurePolicy": {
+                    "thresholds": [{ "scope": "Overall", "percent": 25, "minSample": 4 }],
+                    "action": "Rollback",
+                    "rollbackScope": "All",
+                },
+            }),
+        )
+        .await;
+    let done = sites
+        .wait_for_phase("fw-2", RolloutPhase::RolledBack, Duration::from_secs(120))
+        .await;
+    let timeline = recorder.finish();
+    assert_limits(&timeline, 4, 4);
+    assert!(
+        timeline.changed.len() < 16,
+        "the rollout stopped at the threshold, yet changed every device"
+    );
+    let (rolled_back, reason, message) = condition(&done, "RolledBack");
+    assert_eq!(
+        (rolled_back, reason),
+        ("True", "FailureThreshold"),
+        "{message}"
+    );
+    let mut changed = timeline.changed.clone();
+    changed.sort();
+    let mut back = timeline.rolled_back.clone();
+    back.sort();
+    assert_eq!(back, changed, "every changed device was changed back");
+    // Back on the previous firmware: in the spec and as the devices say.
+    eventually("every device reports the previous firmware", || async {
+        let firmware = spec_and_reported(&sites.devices).await;
+        firmware
+            .values()
+            .all(|(spec, reported)| {
+                spec.as_deref() == Some(FACTORY) && reported.as_deref() == Some(FACTORY)
+            })
+            .then_some(())
+    })
+    .await;
+    sites.stack.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_rollout_waits_a_resumed_one_goes_on_and_an_aborted_one_rolls_back() {
+    let sites = Sites::start("fro-control", 2, 12, &["--install-time=2s..3s"]).await;
+    let spec = json!({
+        "target": firmware_target("2.0.0"),
+        "selector": {},
+        "strategy": { "canary": 1, "maxUnavailable": 2 },
+        "failurePolicy": { "rollbackScope": "All" },
+        "paused": true,
+    });
+    let (_, recorder) = sites.roll_out("fw-2", spec).await;
+    let paused = sites
+        .wait_for_phase("fw-2", RolloutPhase::Paused, Duration::from_secs(30))
+        .await;
+    assert_eq!(condition(&paused, "Paused").1, "PausedBySpec");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        recorder.timeline().changed.is_empty(),
+        "paused, yet devices changed"
+    );
+
+    let resume = json!({ "spec": { "paused": false } });
+    sites
+        .rollouts
+        .patch("fw-2", &PatchParams::default(), &Patch::Merge(&resume))
+        .await
+        .unwrap();
+    eventually_within(Duration::from_secs(60), "three devices updated", || async {
+        let r = sites.rollouts.get("fw-2").await.ok()?;
+        (r.status?.counts.succeeded >= 3).then_some(())
+    })
+    .await;
+    let abort = json!({ "spec": { "abort": true } });
+    sites
+        .rollouts
+        .patch("fw-2", &PatchParams::default(), &Patch::Merge(&abort))
+        .await
+        .unwrap();
+    let done = sites
+        .wait_for_phase("fw-2", RolloutPhase::RolledBack, Duration::from_secs(60))
+        .await;
+    assert_eq!(condition(&done, "RolledBack").1, "Aborted");
+    let timeline = recorder.finish();
+    assert_limits(&timeline, 2, 2);
+    assert!(timeline.changed.len() < 12, "aborted mid-way");
+    eventually("every device reports the previous firmware", || async {
+        let firmware = spec_and_reported(&sites.devices).await;
+        firmware
+            .values()
+            .all(|(spec, reported)| {
+                spec.as_deref() == Some(FACTORY) && reported.as_deref() == Some(FACTORY)
+            })
+            .then_some(())
+    })
+    .await;
+    sites.stack.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn of_two_rollouts_over_the_same_devices_the_later_waits_for_the_earlier() {
+    let sites = Sites::start("fro-overlap", 2, 8, &[]).await;
+    let spec = |version: &str| {
+        json!({
+            "target": firmware_target(version),
+            "selector": {},
+            "strategy": { "canary": 1, "maxUnavailable": 2 },
+        })
+    };
+    let (_, first) = sites.roll_out("fw-2", spec("2.0.0")).await;
+    // Created within the same second: the order is by name then.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let (_, second) = sites.roll_out("fw-3", spec("3.0.0")).await;
+    let waiting = sites
+        .wait_for_phase("fw-3", RolloutPhase::Pending, Duration::from_secs(30))
+        .await;
+    let (_, reason, message) = condition(&waiting, "Progressing");
+    assert_eq!(reason, "WaitingForRollout");
+    assert!(message.contains("fw-2"), "{message}");
+    // Whenever the later one is looked at before the earlier completes, it
+    // still waits: it never starts a device early.
+    let watch = async {
+        loop {
+            let earlier = sites.rollouts.get("fw-2").await.unwrap();
+            let later = sites.rollouts.get("fw-3").await.unwrap();
+            if earlier.status.as_ref().and_then(|s| s.phase) == Some(RolloutPhase::Complete) {
+                break;
+            }
+            let phase = later.status.as_ref().and_then(|s| s.phase);
+            assert_eq!(
+                phase,
+                Some(RolloutPhase::Pending),
+                "fw-3 moved while fw-2 ran"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(120), watch)
+        .await
+        .expect("fw-2 completes");
+    assert!(second.timeline().changed.is_empty() || first.timeline().changed.len() == 8);
+    sites
+        .wait_for_phase("fw-3", RolloutPhase::Complete, Duration::from_secs(120))
+        .await;
+    let (a, b) = (first.finish(), second.finish());
+    assert_eq!((a.changed.len(), b.changed.len()), (8, 8));
+    let firmware = spec_and_reported(&sites.devices).await;
+    assert!(
+        firmware
+            .values()
+            .all(|(_, r)| r.as_deref() == Some("3.0.0")),
+        "{firmware:?}"
+    );
+    sites.stack.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_controller_killed_mid_rollout_resumes_without_changing_a_device_twice() {
+    let mut sites = Sites::start("fro-kill", 2, 16, &["--install-time=1s..2s"]).await;
+    let (_, recorder) = sites
+        .roll_out(
+            "fw-2",
+            json!({
+                "target": firmware_target("2.0.0"),
+                "selector": {},
+                "strategy": {
+                    "canary": 1,
+                    "maxUnavailable": 3,
+                    "failureDomain": { "topologyKey": SITE, "maxUnavailable": 2 },
+                },
+            }),
+        )
+        .await;
+    eventually_within(Duration::from_secs(60), "some devices updated", || async {
+        let r = sites.rollouts.get("fw-2").await.ok()?;
+        (r.status?.counts.succeeded >= 4).then_some(())
+    })
+    .await;
+    sites
+        .stack
+        .kill_and_restart_cloud_after(|| tokio::time::sleep(Duration::from_secs(2)))
+        .await
+        .unwrap();
+    sites
+        .wait_for_phase("fw-2", RolloutPhase::Complete, Duration::from_secs(120))
+        .await;
+    let timeline = recorder.finish();
+    assert_limits(&timeline, 3, 2);
+    assert_eq!(timeline.changed_twice, Vec::<String>::new());
+    assert_eq!(timeline.changed.len(), 16);
+    sites.stack.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rollout_deleted_mid_way_leaves_each_device_as_it_was_and_changes_nothing_more() {
+    let sites = Sites::start("fro-delete", 2, 12, &["--install-time=2s..3s"]).await;
+    let (_, recorder) = sites
+        .roll_out(
+            "fw-2",
+            json!({
+                "target": firmware_target("2.0.0"),
+                "selector": {},
+                "strategy": { "canary": 1, "maxUnavailable": 2 },
+            }),
+        )
+        .await;
+    eventually_within(Duration::from_secs(60), "some devices updated", || async {
+        let r = sites.rollouts.get("fw-2").await.ok()?;
+        (r.status?.counts.succeeded >= 2).then_some(())
+    })
+    .await;
+    sites
+        .rollouts
+        .delete("fw-2", &Default::default())
+        .await
+        .unwrap();
+    let changed = eventually("the rollout is gone", || async {
+        sites
+            .rollouts
+            .get_opt("fw-2")
+            .await
+            .unwrap()
+            .is_none()
+            .then(|| recorder.timeline().changed.len())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let timeline = recorder.finish();
+    assert_eq!(
+        timeline.changed.len(),
+        changed,
+        "devices changed after the deletion"
+    );
+    assert!(changed < 12);
+    // Changed devices keep the target (and their record); the others their
+    // spec. Every device settles on its spec.
+    eventually("every device runs its spec's firmware", || async {
+        let firmware = spec_and_reported(&sites.devices).await;
+        firmware
+            .iter()
+            .all(|(name, (spec, reported))| {
+                let expected = if timeline.changed.contains(name) {
+                    "2.0.0"
+                } else {
+                    FACTORY
+                };
+                spec.as_deref() == Some(expected) && reported.as_deref() == Some(expected)
+            })
+            .then_some(())
+    })
+    .await;
     sites.stack.shutdown();
 }
