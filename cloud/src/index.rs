@@ -56,6 +56,13 @@ impl IndexedDevice {
                 url: f.url.clone().unwrap_or_default(),
                 sha256: f.sha256.clone().unwrap_or_default(),
             }),
+            health_check: edgefleet_shared::rollout_member::health_check(device).map(|h| {
+                proto::HealthCheck {
+                    rollout: h.rollout,
+                    expression: h.expression,
+                    bake_seconds: h.bake_seconds,
+                }
+            }),
         };
         Some((
             key,

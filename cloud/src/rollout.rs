@@ -355,6 +355,7 @@ impl Context {
                     changed,
                     settled,
                     away_ms: self.away_ms(&d.spec.node, now),
+                    inconclusive: changed && rollout_member::inconclusive(d),
                 }
             })
             .collect();

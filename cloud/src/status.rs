@@ -78,6 +78,8 @@ pub enum StatusChange {
         firmware_version: Option<String>,
         /// The applied generation's firmware did not install.
         firmware_failure: Option<edgefleet_shared::codec::FirmwareFailure>,
+        /// The agent's health check of the applied generation.
+        health: Option<edgefleet_shared::health_check::HealthState>,
         /// When the agent received the report (Unix milliseconds).
         received_at_ms: i64,
         /// Where it came from; `None` from an agent that does not say.
@@ -713,6 +715,7 @@ pub fn next_status(
                 properties,
                 firmware_version,
                 firmware_failure,
+                health,
                 received_at_ms,
                 origin,
             } => {
@@ -739,6 +742,9 @@ pub fn next_status(
                         *applied_generation,
                         now,
                     );
+                }
+                if let Some(h) = health {
+                    set_health(&mut next.conditions, h, now);
                 }
                 next.applied_generation = Some(*applied_generation);
                 next.reported = properties.clone();
@@ -859,6 +865,33 @@ fn is_unreachable(status: &DeviceStatus) -> bool {
         .any(|c| c.type_ == condition::ONLINE && c.status == "Unknown")
 }
 
+/// Shows the agent's health check as the `Healthy` condition of the
+/// generation it checked.
+fn set_health(
+    conditions: &mut Vec<Condition>,
+    h: &edgefleet_shared::health_check::HealthState,
+    now: Timestamp,
+) {
+    use edgefleet_shared::health_check::HealthStage;
+    let (status, reason) = match h.stage {
+        HealthStage::Passed => ("True", condition::HEALTH_CHECK_PASSED),
+        HealthStage::Failed => ("False", condition::HEALTH_CHECK_FAILED),
+        HealthStage::Inconclusive => ("Unknown", condition::HEALTH_CHECK_INCONCLUSIVE),
+        HealthStage::Baking => ("Unknown", condition::BAKING),
+    };
+    crate::conditions::set(
+        conditions,
+        Condition {
+            type_: condition::HEALTHY.to_owned(),
+            status: status.to_owned(),
+            reason: reason.to_owned(),
+            message: h.message.clone(),
+            observed_generation: Some(h.generation),
+            last_transition_time: Time(now),
+        },
+    );
+}
+
 fn set_condition(
     conditions: &mut Vec<Condition>,
     type_: &str,
@@ -898,6 +931,7 @@ mod tests {
             )]),
             firmware_version: Some("1.0.0".into()),
             firmware_failure: None,
+            health: None,
             received_at_ms: ms,
             origin: None,
         }
@@ -962,6 +996,7 @@ mod tests {
             properties,
             firmware_version,
             firmware_failure: None,
+            health: None,
             received_at_ms,
             origin: Some(ReportOrigin {
                 store: store.into(),

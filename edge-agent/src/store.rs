@@ -28,7 +28,7 @@
 //! permission denied, disk full) is left as it is and the error says what to
 //! do.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -36,6 +36,8 @@ use std::time::{Duration, Instant};
 
 use edgefleet_shared::api::Transport;
 use edgefleet_shared::codec::{DesiredState, DeviceEvent, DeviceReport, FirmwareOrder};
+use edgefleet_shared::health_check::{self, HealthCheck, HealthState};
+use edgefleet_shared::health_gate::HealthGate;
 pub use edgefleet_shared::proto::Flow;
 use edgefleet_shared::{PropertyValue, ResourceKey, ResourceVersion};
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
@@ -80,6 +82,9 @@ pub struct DesiredDevice {
     pub properties: BTreeMap<String, PropertyValue>,
     /// Desired firmware, if any.
     pub firmware: Option<FirmwareOrder>,
+    /// The rollout health check of this generation, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health_check: Option<HealthCheck>,
 }
 
 impl DesiredDevice {
@@ -124,6 +129,10 @@ pub struct LatestReport {
     pub uid: String,
     /// What the device said.
     pub report: DeviceReport,
+    /// The health check of the generation it applied, judged on this
+    /// report, if its desired state has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health: Option<HealthState>,
 }
 
 /// While the cloud is connected, an unchanged report goes up again after
@@ -422,7 +431,16 @@ pub struct Store {
     events_out: sled::Tree,
     event_ids: sled::Tree,
     meta: sled::Tree,
+    // Rollout health expressions, compiled once each.
+    health_gates: Arc<std::sync::Mutex<HashMap<String, CompiledGate>>>,
 }
+
+/// A health expression compiled, or why it does not compile.
+type CompiledGate = Arc<Result<HealthGate, String>>;
+
+/// Health expressions kept compiled; past this many the cache starts over
+/// (rollouts at one site at a time are few).
+const HEALTH_GATES_CACHED: usize = 64;
 
 /// The trees of the two outbox flows. The events flow keeps the name the
 /// single outbox had, so a store from before flows opens with its events
@@ -738,6 +756,7 @@ impl Store {
             event_ids: tree("event_ids")?,
             meta: tree("meta")?,
             db,
+            health_gates: Arc::default(),
         };
         match store.meta.get(META_SCHEMA).map_err(failed)? {
             None if store.db.is_empty() && store.is_empty() => {
@@ -1134,6 +1153,20 @@ impl Store {
             .map(|(seq, _)| seq)
     }
 
+    /// The compiled health expression `source` (or why it does not compile).
+    fn health_gate(&self, source: &str) -> CompiledGate {
+        let mut gates = self.health_gates.lock().expect("health gates");
+        if let Some(gate) = gates.get(source) {
+            return Arc::clone(gate);
+        }
+        if gates.len() >= HEALTH_GATES_CACHED {
+            gates.clear();
+        }
+        let gate = Arc::new(HealthGate::compile(source).map_err(|e| e.to_string()));
+        gates.insert(source.to_owned(), Arc::clone(&gate));
+        gate
+    }
+
     /// Writes a report (not durably yet); returns its sequence number and
     /// whether it joined the outbox.
     fn write_report(
@@ -1144,6 +1177,7 @@ impl Store {
     ) -> Result<(u64, bool), StoreError> {
         let key = device.to_string();
         let uid = self.held_uid(device)?;
+        let desired = self.desired(device)?;
         let entry = encode(&OutboxEntry::Report {
             device: key.clone(),
         });
@@ -1159,9 +1193,21 @@ impl Store {
                     ),
                     None => None,
                 };
+                let health = desired.as_ref().and_then(|d| {
+                    let check = d.health_check.as_ref()?;
+                    let gate = self.health_gate(&check.expression);
+                    health_check::next(
+                        previous.as_ref().and_then(|p| p.health.as_ref()),
+                        d.version.generation,
+                        Some((check, gate.as_ref().as_ref().map_err(String::as_str))),
+                        d.firmware.as_ref().map(|f| f.version.as_str()),
+                        &report,
+                        received_at_ms,
+                    )
+                });
                 if let Some(previous) = previous
                     .as_ref()
-                    .filter(|p| p.report == report && p.uid == uid)
+                    .filter(|p| p.report == report && p.uid == uid && p.health == health)
                 {
                     let keepalive_due = link_up_since > 0
                         && received_at_ms - previous.queued_at_ms.max(link_up_since)
@@ -1185,6 +1231,7 @@ impl Store {
                     queued_at_ms: received_at_ms,
                     uid: uid.clone(),
                     report: report.clone(),
+                    health,
                 };
                 reported.insert(key.as_bytes(), encode(&latest))?;
                 outbox.insert(&seq.to_be_bytes(), entry.clone())?;

@@ -28,6 +28,7 @@ fn thermostat(generation: i64, setpoint: f64) -> DesiredDevice {
         transport: Transport::Coap,
         properties: BTreeMap::from([("setpoint".to_owned(), PropertyValue::Float(setpoint))]),
         firmware: None,
+        health_check: None,
     }
 }
 

@@ -23,6 +23,7 @@ fn device(generation: i64, setpoint: f64) -> DesiredDevice {
         transport: Transport::Mqtt,
         properties: BTreeMap::from([("setpoint".to_owned(), PropertyValue::Float(setpoint))]),
         firmware: None,
+        health_check: None,
     }
 }
 

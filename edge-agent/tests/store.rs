@@ -21,6 +21,7 @@ fn thermostat(uid: &str, generation: i64, setpoint: f64) -> DesiredDevice {
         transport: Transport::Coap,
         properties: BTreeMap::from([("setpoint".to_owned(), PropertyValue::Float(setpoint))]),
         firmware: None,
+        health_check: None,
     }
 }
 
@@ -967,4 +968,56 @@ async fn a_running_store_writes_into_its_log_and_names_no_new_file() {
     assert_eq!(store.acknowledge_uplink(last, last).await.unwrap(), 21_000);
     assert_eq!(names(&dir), opened, "new names in the store's directory");
     assert!(names(&dir.join("blobs")).is_empty(), "sled wrote blobs");
+}
+
+#[tokio::test]
+async fn the_agent_judges_a_rollouts_health_check_on_each_report_and_keeps_the_verdict() {
+    use edgefleet_shared::health_check::{HealthCheck, HealthStage};
+    let tmp = tempfile::tempdir().unwrap();
+    let store = open(&tmp.path().join("store"));
+    let a = ResourceKey::device("plant", "a");
+    let mut desired = thermostat("ua", 2, 21.0);
+    desired.health_check = Some(HealthCheck {
+        rollout: "fw-2".into(),
+        expression: "reported.temperature < 30.0".into(),
+        bake_seconds: 10,
+    });
+    store.apply(&[(a.clone(), desired)], &[]).await.unwrap();
+    let stage = |store: &Store| {
+        store
+            .latest_report(&a)
+            .unwrap()
+            .and_then(|l| l.health)
+            .map(|h| (h.generation, h.stage))
+    };
+    store
+        .record_report(&a, report(1, 20.0), 1_000)
+        .await
+        .unwrap();
+    assert_eq!(stage(&store), None, "generation 2 not applied yet");
+    store
+        .record_report(&a, report(2, 20.0), 2_000)
+        .await
+        .unwrap();
+    assert_eq!(stage(&store), Some((2, HealthStage::Baking)));
+    store
+        .record_report(&a, report(2, 21.0), 12_000)
+        .await
+        .unwrap();
+    assert_eq!(stage(&store), Some((2, HealthStage::Passed)));
+    // Passed is final for the generation, and a reopened store keeps it.
+    store
+        .record_report(&a, report(2, 45.0), 13_000)
+        .await
+        .unwrap();
+    assert_eq!(stage(&store), Some((2, HealthStage::Passed)));
+    drop(store);
+    let store = open(&tmp.path().join("store"));
+    assert_eq!(stage(&store), Some((2, HealthStage::Passed)));
+    // The verdict goes up with the report.
+    let pending = store.pending_uplink(0, 10).unwrap();
+    let went_up = pending.iter().any(|(_, p)| {
+        matches!(p, PendingUplink::Report { latest, .. } if latest.health.as_ref().is_some_and(|h| h.stage == HealthStage::Passed))
+    });
+    assert!(went_up, "{pending:?}");
 }

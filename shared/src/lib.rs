@@ -16,6 +16,7 @@
 pub mod api;
 pub mod codec;
 pub mod health;
+pub mod health_check;
 pub mod health_gate;
 pub mod heartbeat;
 pub mod holdings;

@@ -17,6 +17,7 @@ use serde_json::{Value, json};
 use crate::PropertyValue;
 use crate::api::device::{Device, DeviceSpec, FirmwareSpec, condition};
 use crate::api::rollout::{FailureClass, FleetRollout, RolloutTarget};
+use crate::health_check::HealthCheck;
 use crate::rollout_plan::MemberState;
 
 /// The annotation of a Device that a rollout changed: a [`Record`] as JSON.
@@ -36,6 +37,13 @@ pub struct Record {
     pub uid: String,
     /// When the change was made (Unix milliseconds).
     pub changed_at_ms: i64,
+    /// The generation the change made (the Device's generation before it,
+    /// plus one: the change is conditional on that version).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<i64>,
+    /// What the device's agent checks after the change.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health: Option<HealthCheck>,
     /// What the change replaced.
     pub previous: Previous,
     /// The change was undone.
@@ -70,6 +78,31 @@ pub fn record(device: &Device) -> Option<Result<Record, serde_json::Error>> {
         .as_ref()?
         .get(RECORD_ANNOTATION)?;
     Some(serde_json::from_str(text))
+}
+
+/// Whether the agent's health check of `device`'s current generation is
+/// inconclusive: the rollout pauses on it.
+pub fn inconclusive(device: &Device) -> bool {
+    let generation = device.metadata.generation;
+    device.status.as_ref().is_some_and(|s| {
+        s.conditions.iter().any(|c| {
+            c.type_ == condition::HEALTHY
+                && c.reason == condition::HEALTH_CHECK_INCONCLUSIVE
+                && c.observed_generation == generation
+        })
+    })
+}
+
+/// The health check a Device's agent runs for its current generation: the
+/// one of the rollout whose change made that generation, unless it was
+/// changed back.
+pub fn health_check(device: &Device) -> Option<HealthCheck> {
+    let record = record(device)?.ok()?;
+    let current = record.generation.is_some() && record.generation == device.metadata.generation;
+    if !current || record.rolled_back {
+        return None;
+    }
+    record.health
 }
 
 /// Whether `spec` carries the target.
@@ -122,6 +155,12 @@ pub fn change(device: &Device, rollout: &FleetRollout, now_ms: i64) -> Option<Va
         rollout: rollout.metadata.name.clone().unwrap_or_default(),
         uid: rollout.metadata.uid.clone().unwrap_or_default(),
         changed_at_ms: now_ms,
+        generation: device.metadata.generation.map(|g| g + 1),
+        health: rollout.spec.health.as_ref().map(|h| HealthCheck {
+            rollout: rollout.metadata.name.clone().unwrap_or_default(),
+            expression: h.expression.clone(),
+            bake_seconds: h.bake_seconds,
+        }),
         previous,
         rolled_back: false,
     };
@@ -175,10 +214,12 @@ fn firmware_patch(firmware: Option<&FirmwareSpec>) -> Value {
 /// `Pending` for this one.
 ///
 /// After a change: `Failed` (install failed) once the device says its
-/// update failed; `Baking` once it reports the target, for the bake time
-/// counted from when it applied it; `Succeeded` after; `Failed` (timed out)
-/// if it has not reported the target within the time-out; `Updating`
-/// until then. (The health verdicts from the edge will refine `Baking`.)
+/// update failed; `Failed` (timed out) if it has not reported the target
+/// within the time-out; `Updating` until then. Once it reports the target:
+/// `Succeeded` without a health gate; with one, what its agent's check says
+/// (the `Healthy` condition of this generation): `Baking` until the agent
+/// passes it (`Succeeded`) or fails it (`Failed`, health), or `Failed`
+/// (timed out) without a verdict by the time-out plus the bake time.
 pub fn state(
     device: &Device,
     rollout: &FleetRollout,
@@ -216,20 +257,28 @@ pub fn state(
         return (MemberState::Failed, Some(FailureClass::InstallFailed));
     }
     let health = rollout.spec.health.as_ref();
-    if applied(device, target) {
-        let bake_ms = i64::from(health.map_or(0, |h| h.bake_seconds)) * 1000;
-        let since = current(condition::APPLIED)
-            .map_or(now, |c| c.last_transition_time.0)
-            .as_millisecond();
-        let state = if now.as_millisecond() - since >= bake_ms {
-            MemberState::Succeeded
-        } else {
-            MemberState::Baking
-        };
-        return (state, None);
-    }
     let timeout_ms =
         i64::from(health.map_or(DEFAULT_TIMEOUT_SECONDS, |h| h.timeout_seconds)) * 1000;
+    if applied(device, target) {
+        let Some(health) = health else {
+            return (MemberState::Succeeded, None);
+        };
+        // The agent's verdict on this generation.
+        let verdict = conditions
+            .iter()
+            .find(|c| c.type_ == condition::HEALTHY && c.observed_generation == Some(generation));
+        return match verdict.map(|c| c.status.as_str()) {
+            Some("True") => (MemberState::Succeeded, None),
+            Some("False") => (MemberState::Failed, Some(FailureClass::HealthFailed)),
+            // No verdict long past the bake time: the device went silent.
+            _ if now.as_millisecond() - record.changed_at_ms
+                > timeout_ms + i64::from(health.bake_seconds) * 1000 =>
+            {
+                (MemberState::Failed, Some(FailureClass::TimedOut))
+            }
+            _ => (MemberState::Baking, None),
+        };
+    }
     if now.as_millisecond() - record.changed_at_ms > timeout_ms {
         return (MemberState::Failed, Some(FailureClass::TimedOut));
     }
@@ -402,7 +451,57 @@ mod tests {
         assert_eq!(state(&d, &r, at(2_000)), (MemberState::Updating, None));
         reports(&mut d, 4, "2.0.0", 5_000);
         assert_eq!(state(&d, &r, at(6_000)), (MemberState::Baking, None));
-        assert_eq!(state(&d, &r, at(65_000)), (MemberState::Succeeded, None));
+        assert_eq!(
+            state(&d, &r, at(65_000)),
+            (MemberState::Baking, None),
+            "the bake time is the agent's to count"
+        );
+        healthy(&mut d, 4, "Unknown", condition::HEALTH_CHECK_INCONCLUSIVE);
+        assert!(inconclusive(&d));
+        assert_eq!(state(&d, &r, at(66_000)), (MemberState::Baking, None));
+        healthy(&mut d, 3, "True", condition::HEALTH_CHECK_PASSED);
+        assert_eq!(
+            state(&d, &r, at(66_000)),
+            (MemberState::Baking, None),
+            "a verdict on another generation"
+        );
+        healthy(&mut d, 4, "True", condition::HEALTH_CHECK_PASSED);
+        assert_eq!(state(&d, &r, at(66_000)), (MemberState::Succeeded, None));
+        healthy(&mut d, 4, "False", condition::HEALTH_CHECK_FAILED);
+        assert_eq!(
+            state(&d, &r, at(66_000)),
+            (MemberState::Failed, Some(FailureClass::HealthFailed))
+        );
+    }
+
+    #[test]
+    fn without_a_health_gate_reporting_the_target_is_success_and_a_silent_baker_times_out() {
+        let mut r = rollout(60);
+        r.spec.health = None;
+        let mut d = device();
+        d = patched(&d, &change(&d, &r, 1_000).unwrap());
+        d.metadata.generation = Some(4);
+        reports(&mut d, 4, "2.0.0", 5_000);
+        assert_eq!(state(&d, &r, at(5_000)), (MemberState::Succeeded, None));
+        let r = rollout(60);
+        assert_eq!(
+            state(&d, &r, at(1_000 + 600_000 + 60_001)),
+            (MemberState::Failed, Some(FailureClass::TimedOut))
+        );
+    }
+
+    /// The agent's check of generation `g` says `status` for `reason`.
+    fn healthy(device: &mut Device, g: i64, status: &str, reason: &str) {
+        let conditions = &mut device.status.get_or_insert_default().conditions;
+        conditions.retain(|c| c.type_ != condition::HEALTHY);
+        conditions.push(Condition {
+            type_: condition::HEALTHY.into(),
+            status: status.into(),
+            reason: reason.into(),
+            message: String::new(),
+            observed_generation: Some(g),
+            last_transition_time: Time(at(0)),
+        });
     }
 
     #[test]

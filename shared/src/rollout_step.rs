@@ -37,6 +37,8 @@ pub struct MemberInput {
     /// How long its node has been unreachable (milliseconds), `None` while
     /// it is reachable.
     pub away_ms: Option<i64>,
+    /// Its agent could not judge its health (the rollout pauses).
+    pub inconclusive: bool,
 }
 
 /// A condition as a step wants it; the caller keeps transition times.
@@ -198,13 +200,21 @@ pub fn step(spec: &FleetRolloutSpec, members: &[MemberInput]) -> Step {
         ];
         return step;
     }
+    let unsure = members.iter().filter(|m| m.inconclusive).count();
     let pause = if spec.paused {
         Some(("PausedBySpec", "spec.paused is set".to_owned()))
+    } else if let Some(b) = &step.breach {
+        Some((
+            "FailureThreshold",
+            format!("{b}; change the thresholds to go on, or abort"),
+        ))
     } else {
-        step.breach.as_ref().map(|b| {
+        (unsure > 0).then(|| {
             (
-                "FailureThreshold",
-                format!("{b}; change the thresholds to go on, or abort"),
+                "HealthInconclusive",
+                format!(
+                    "the health check of {unsure} devices is inconclusive (see their Healthy condition); fix the expression or the devices, or abort"
+                ),
             )
         })
     };
@@ -464,6 +474,7 @@ mod tests {
                 changed: false,
                 settled: true,
                 away_ms: None,
+                inconclusive: false,
             })
             .collect()
     }
@@ -498,6 +509,17 @@ mod tests {
         assert_eq!(last.phase, RolloutPhase::Complete);
         assert_eq!(condition(&last, "Complete"), (true, "AllDevicesDone"));
         assert!(last.start.is_empty());
+    }
+
+    #[test]
+    fn an_inconclusive_health_check_pauses_the_rollout() {
+        let mut ms = pending(4);
+        set(&mut ms[0], MemberState::Baking, None);
+        ms[0].inconclusive = true;
+        let unsure = step(&spec(), &ms);
+        assert_eq!(unsure.phase, RolloutPhase::Paused);
+        assert!(unsure.start.is_empty());
+        assert_eq!(condition(&unsure, "Paused"), (true, "HealthInconclusive"));
     }
 
     #[test]

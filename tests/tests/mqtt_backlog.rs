@@ -103,6 +103,7 @@ async fn five_thousand_devices_backlog_is_stored_while_the_agent_republishes_des
                     transport: Transport::Mqtt,
                     properties: BTreeMap::new(),
                     firmware: None,
+                    health_check: None,
                 },
             )
         })

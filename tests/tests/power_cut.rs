@@ -516,6 +516,7 @@ async fn no_acknowledged_report_or_event_is_lost_when_the_power_is_cut() {
                     transport: Transport::Coap,
                     properties: BTreeMap::new(),
                     firmware: None,
+                    health_check: None,
                 };
                 (key(i), device)
             })

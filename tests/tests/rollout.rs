@@ -6,6 +6,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use edgefleet_shared::api::device::condition;
 use edgefleet_shared::api::rollout::{FleetRollout, RolloutPhase};
 use edgefleet_shared::api::{Device, EdgeNode};
 use edgefleet_tests::rollout_timeline::{Expectations, Recorder, Timeline};
@@ -225,6 +226,8 @@ async fn a_rollout_goes_canary_then_waves_within_its_limits_at_every_moment() {
                     "maxUnavailable": 4,
                     "failureDomain": { "topologyKey": SITE, "maxUnavailable": 2, "canary": 1 },
                 },
+                // Judged by each agent: healthy for a second after the install.
+                "health": { "expression": "online && !('crashes' in reported)", "bakeSeconds": 1 },
             }),
         )
         .await;
@@ -256,6 +259,85 @@ async fn a_rollout_goes_canary_then_waves_within_its_limits_at_every_moment() {
         firmware.values().all(|v| v.as_deref() == Some("2.0.0")),
         "{firmware:?}"
     );
+    // Each device passed its agent's health check of the rollout's change.
+    for d in sites.devices.list(&Default::default()).await.unwrap() {
+        let healthy = d.status.as_ref().and_then(|s| {
+            s.conditions.iter().find(|c| {
+                c.type_ == condition::HEALTHY && c.observed_generation == d.metadata.generation
+            })
+        });
+        assert_eq!(
+            healthy.map(|c| (c.status.as_str(), c.reason.as_str())),
+            Some(("True", condition::HEALTH_CHECK_PASSED)),
+            "{}",
+            d.name_any()
+        );
+    }
+    sites.stack.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_firmware_is_caught_by_the_health_gate_at_the_edge_and_rolled_back() {
+    let sites = Sites::start("fro-health", 2, 12, &["--bad-firmware=2.0.0"]).await;
+    let (_, recorder) = sites
+        .roll_out(
+            "fw-2",
+            json!({
+                "target": firmware_target("2.0.0"),
+                "selector": {},
+                "strategy": { "canary": 2, "maxUnavailable": 2 },
+                "health": { "expression": "!('crashes' in reported)", "bakeSeconds": 3 },
+                "failurePolicy": {
+                    "thresholds": [{
+                        "scope": "Overall", "percent": 50, "minSample": 2, "classes": ["HealthFailed"],
+                    }],
+                    "action": "Rollback",
+                    "rollbackScope": "All",
+                },
+            }),
+        )
+        .await;
+    let done = sites
+        .wait_for_phase("fw-2", RolloutPhase::RolledBack, Duration::from_secs(90))
+        .await;
+    let timeline = recorder.finish();
+    assert_limits(&timeline, 2, 2);
+    let (_, reason, message) = condition(&done, "RolledBack");
+    assert_eq!(reason, "FailureThreshold", "{message}");
+    assert_eq!(timeline.changed.len(), 2, "stopped at the canary");
+    assert!(!timeline.failed.is_empty());
+    for name in &timeline.failed {
+        let d = sites.devices.get(name).await.unwrap();
+        let failed = d.status.as_ref().unwrap().conditions.iter().any(|c| {
+            c.type_ == condition::HEALTHY
+                && c.status == "False"
+                && c.reason == condition::HEALTH_CHECK_FAILED
+        });
+        assert!(
+            failed,
+            "{name} failed without the agent's verdict: {:?}",
+            d.status
+        );
+    }
+    // Back on the good firmware; no device crashes any more.
+    eventually(
+        "every device runs and reports the previous firmware, healthy",
+        || async {
+            let list = sites.devices.list(&Default::default()).await.ok()?;
+            list.items
+                .iter()
+                .all(|d| {
+                    let status = d.status.as_ref();
+                    d.spec.firmware.as_ref().map(|f| f.version.as_str()) == Some(FACTORY)
+                        && status.and_then(|s| s.firmware_version.as_deref()) == Some(FACTORY)
+                        && status.is_some_and(|s| {
+                            !s.reported.contains_key(edgefleet_sim::firmware::CRASHES)
+                        })
+                })
+                .then_some(())
+        },
+    )
+    .await;
     sites.stack.shutdown();
 }
 

@@ -30,6 +30,10 @@ use crate::device_events::{DeviceEvent, DroppedNotice};
 use crate::index::{NodeSlice, difference};
 use crate::status::StatusChange;
 use edgefleet_shared::codec::FirmwareFailure;
+use edgefleet_shared::health_check::{HealthStage, HealthState};
+
+/// The longest health message shown in a condition, in characters.
+pub const MAX_HEALTH_MESSAGE: usize = 512;
 
 /// Most resources in one Update, so one message stays small.
 pub const MAX_RESOURCES_PER_UPDATE: usize = 256;
@@ -541,6 +545,25 @@ impl Session {
         }
         let properties = checked.properties;
         let firmware_failure = checked.firmware_failure;
+        let health = match report.health {
+            None => None,
+            Some(h) => {
+                let stage = match proto::HealthStage::try_from(h.stage) {
+                    Ok(proto::HealthStage::Baking) => HealthStage::Baking,
+                    Ok(proto::HealthStage::Passed) => HealthStage::Passed,
+                    Ok(proto::HealthStage::Failed) => HealthStage::Failed,
+                    Ok(proto::HealthStage::Inconclusive) => HealthStage::Inconclusive,
+                    _ => return Err("invalid_report"),
+                };
+                let message = h.message.chars().take(MAX_HEALTH_MESSAGE).collect();
+                Some(HealthState {
+                    generation: h.generation,
+                    stage,
+                    since_ms: h.since_ms,
+                    message,
+                })
+            }
+        };
         Ok(Accepted::Status(
             key,
             StatusChange::Reported {
@@ -550,6 +573,7 @@ impl Session {
                 firmware_version: (!report.firmware_version.is_empty())
                     .then_some(report.firmware_version),
                 firmware_failure,
+                health,
                 received_at_ms: report.received_at_ms,
                 origin: (!self.store_id.is_empty()).then(|| ReportOrigin {
                     store: self.store_id.clone(),

@@ -14,6 +14,7 @@ use std::collections::{BTreeMap, VecDeque};
 
 use edgefleet_shared::api::Transport;
 use edgefleet_shared::codec::FirmwareOrder;
+use edgefleet_shared::health_check::{HealthCheck, HealthStage};
 use edgefleet_shared::holdings::HoldingsDigest;
 use edgefleet_shared::proto::{self, Flow, agent_message, cloud_message, resource, uplink_entry};
 use edgefleet_shared::{PropertyValue, ResourceKey, ResourceVersion};
@@ -206,6 +207,20 @@ fn desired_device(resource: &proto::Resource) -> Result<(ResourceKey, DesiredDev
         url: (!f.url.is_empty()).then(|| f.url.clone()),
         sha256: (!f.sha256.is_empty()).then(|| f.sha256.clone()),
     });
+    // A health check the agent could not run is refused now, with the
+    // compiler's reason, not discovered at the device's first report.
+    let health_check = match &device.health_check {
+        Some(h) => {
+            edgefleet_shared::health_gate::HealthGate::compile(&h.expression)
+                .map_err(|e| format!("rollout {}: {e}", h.rollout))?;
+            Some(HealthCheck {
+                rollout: h.rollout.clone(),
+                expression: h.expression.clone(),
+                bake_seconds: h.bake_seconds,
+            })
+        }
+        None => None,
+    };
     Ok((
         key,
         DesiredDevice {
@@ -214,6 +229,7 @@ fn desired_device(resource: &proto::Resource) -> Result<(ResourceKey, DesiredDev
             transport,
             properties,
             firmware,
+            health_check,
         },
     ))
 }
@@ -270,6 +286,17 @@ pub fn uplink_body(pending: PendingUplink) -> uplink_entry::Body {
                     version: f.version,
                     reason: f.reason,
                 }),
+            health: latest.health.map(|h| proto::HealthVerdict {
+                generation: h.generation,
+                stage: match h.stage {
+                    HealthStage::Baking => proto::HealthStage::Baking,
+                    HealthStage::Passed => proto::HealthStage::Passed,
+                    HealthStage::Failed => proto::HealthStage::Failed,
+                    HealthStage::Inconclusive => proto::HealthStage::Inconclusive,
+                } as i32,
+                since_ms: h.since_ms,
+                message: h.message,
+            }),
             firmware_version: latest.report.firmware_version.unwrap_or_default(),
             received_at_ms: latest.received_at_ms,
             device_uid: latest.uid,
@@ -393,6 +420,7 @@ mod tests {
                 firmware_version: None,
                 firmware_failure: None,
             },
+            health: None,
         };
         let device = ResourceKey::device("plant", "a");
         (seq, PendingUplink::Report { device, latest })

@@ -193,4 +193,16 @@ pub mod condition {
     pub const ONLINE: &str = "Online";
     /// The last update failed on the device.
     pub const UPDATE_FAILED: &str = "UpdateFailed";
+    /// The agent's health check of a rollout's generation: True once the
+    /// device stayed healthy for the bake time, False when it was not,
+    /// Unknown while baking or inconclusive.
+    pub const HEALTHY: &str = "Healthy";
+    /// `Healthy` reasons.
+    pub const HEALTH_CHECK_PASSED: &str = "HealthCheckPassed";
+    /// The expression said false.
+    pub const HEALTH_CHECK_FAILED: &str = "HealthCheckFailed";
+    /// The expression could not be judged.
+    pub const HEALTH_CHECK_INCONCLUSIVE: &str = "HealthCheckInconclusive";
+    /// Healthy so far, within the bake time.
+    pub const BAKING: &str = "Baking";
 }

@@ -247,6 +247,7 @@ async fn seed_store(
                     transport,
                     properties: BTreeMap::new(),
                     firmware: None,
+                    health_check: None,
                 },
             )
         })

@@ -245,6 +245,7 @@ impl Agent {
             queued_at_ms: marker,
             uid: version.uid,
             report,
+            health: None,
         };
         self.current.latest.insert(key.clone(), latest);
         self.current.reports.insert(seq, key.clone());
