@@ -53,7 +53,8 @@ impl Sites {
             namespaced_controller: true,
             cloud_args: Vec::new(),
             agent_args: Vec::new(),
-            sync_through_proxy: false,
+            // Each agent's sync link through a proxy a test can cut.
+            sync_through_proxy: true,
         };
         let mut stack = Stack::start(spec, cp.kubeconfig()).await.unwrap();
         stack.apply_devices(&client).await.unwrap();
@@ -120,6 +121,17 @@ impl Sites {
 
     /// Creates a rollout with `spec` and starts recording its timeline.
     async fn roll_out(&self, name: &str, spec: Value) -> (FleetRollout, Recorder) {
+        self.roll_out_cutting(name, spec, &[]).await
+    }
+
+    /// [`Sites::roll_out`], where the sites `cut` will be cut off during the
+    /// test (the stage order does not wait for their devices).
+    async fn roll_out_cutting(
+        &self,
+        name: &str,
+        spec: Value,
+        cut: &[&str],
+    ) -> (FleetRollout, Recorder) {
         let rollout: FleetRollout = serde_json::from_value(json!({
             "apiVersion": "edgefleet.io/v1alpha1",
             "kind": "FleetRollout",
@@ -132,7 +144,13 @@ impl Sites {
             .create(&PostParams::default(), &rollout)
             .await
             .unwrap();
-        let expect = Expectations::plan(&created, &self.site_of);
+        let mut expect = Expectations::plan(&created, &self.site_of);
+        expect.unreachable = self
+            .site_of
+            .iter()
+            .filter(|(_, site)| cut.contains(&site.as_str()))
+            .map(|(name, _)| name.clone())
+            .collect();
         let recorder = Recorder::start(self.devices.clone(), created.clone(), expect);
         (created, recorder)
     }
@@ -671,4 +689,88 @@ async fn a_rollout_deleted_mid_way_leaves_each_device_as_it_was_and_changes_noth
     })
     .await;
     sites.stack.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_site_cut_off_mid_rollout_is_unreachable_not_failed_and_finishes_when_back() {
+    let sites = Sites::start("fro-cut", 3, 18, &["--install-time=1s..2s"]).await;
+    let (_, recorder) = sites
+        .roll_out_cutting(
+            "fw-2",
+            json!({
+                "target": firmware_target("2.0.0"),
+                "selector": {},
+                "strategy": {
+                    "canary": 3,
+                    "maxUnavailable": 3,
+                    "failureDomain": { "topologyKey": SITE, "maxUnavailable": 1 },
+                },
+            }),
+            &["site-2"],
+        )
+        .await;
+    // Cut site 2 once its canary has started.
+    eventually("a device of site 2 changed", || async {
+        let t = recorder.timeline();
+        t.changed
+            .iter()
+            .any(|n| sites.site_of[n] == "site-2")
+            .then_some(())
+    })
+    .await;
+    let proxy = sites.stack.agents[2].proxy.as_ref().unwrap();
+    proxy.cut();
+    let waiting = eventually_within(
+        Duration::from_secs(90),
+        "the reachable sites are done",
+        || async {
+            let r = sites.rollouts.get("fw-2").await.ok()?;
+            let (_, reason, _) = condition_opt(&r, "Progressing")?;
+            (reason == "WaitingForUnreachable").then_some(r)
+        },
+    )
+    .await;
+    let counts = &waiting.status.as_ref().unwrap().counts;
+    assert_eq!(counts.failed, 0, "unreachable is not failed: {counts:?}");
+    assert_eq!(counts.succeeded + counts.unreachable, 18, "{counts:?}");
+    assert!(counts.unreachable >= 5, "site 2's devices wait: {counts:?}");
+    let site2 = waiting
+        .status
+        .as_ref()
+        .unwrap()
+        .sites
+        .iter()
+        .find(|s| s.name == "site-2")
+        .unwrap();
+    assert_eq!(
+        site2.counts.unreachable, counts.unreachable,
+        "all of them in site 2"
+    );
+    proxy.heal();
+    let done = sites
+        .wait_for_phase("fw-2", RolloutPhase::Complete, Duration::from_secs(90))
+        .await;
+    assert_eq!(done.status.unwrap().counts.succeeded, 18);
+    let timeline = recorder.finish();
+    assert_limits(&timeline, 3, 1);
+    assert!(timeline.failed.is_empty());
+    let firmware = sites.firmware().await;
+    assert!(
+        firmware.values().all(|v| v.as_deref() == Some("2.0.0")),
+        "{firmware:?}"
+    );
+    sites.stack.shutdown();
+}
+
+fn condition_opt<'a>(
+    rollout: &'a FleetRollout,
+    type_: &str,
+) -> Option<(&'a str, &'a str, &'a str)> {
+    let c = rollout
+        .status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == type_)?;
+    Some((c.status.as_str(), c.reason.as_str(), c.message.as_str()))
 }
