@@ -30,11 +30,14 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
+use edgefleet_shared::ResourceKey;
+use edgefleet_shared::api::device::DeviceRolloutStatus;
 use edgefleet_shared::api::edge_node::condition as node_condition;
 use edgefleet_shared::api::rollout::{FleetRollout, FleetRolloutStatus, Membership, RolloutPhase};
 use edgefleet_shared::api::{Device, EdgeNode};
 use edgefleet_shared::health_gate::HealthGate;
 use edgefleet_shared::rollout_member::{self, record};
+use edgefleet_shared::rollout_plan::MemberState;
 use edgefleet_shared::rollout_step::{MemberInput, Step, WantedCondition, step};
 use futures::{Stream, StreamExt};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
@@ -48,7 +51,7 @@ use kube::{Api, Client, Resource, ResourceExt};
 
 use crate::agents::Agents;
 use crate::events::{Events, Note};
-use crate::status::StatusWriter;
+use crate::status::{StatusChange, StatusWriter};
 
 /// The field manager of every write the rollout reconciler makes.
 pub const FIELD_MANAGER: &str = "edgefleet-rollout";
@@ -177,6 +180,7 @@ async fn reconcile(rollout: Arc<FleetRollout>, context: Arc<Context>) -> Result<
         }
         Ok(Planned::Run { members, step }) => {
             context.act(&rollout, &members, &step, now).await?;
+            context.show_parts(&rollout, &members);
             let action = match step.phase {
                 RolloutPhase::Progressing | RolloutPhase::RollingBack => Action::requeue(TICK),
                 RolloutPhase::Paused | RolloutPhase::Pending => {
@@ -504,6 +508,29 @@ impl Context {
         Ok(())
     }
 
+    /// Writes each member's part into its Device's status (through the
+    /// status writer, so on the same budget and coalesced with reports),
+    /// where it changed. Members still pending are left out: a rollout of
+    /// thousands does not start with thousands of writes.
+    fn show_parts(&self, rollout: &FleetRollout, members: &Members) {
+        let revision = rollout.metadata.generation.unwrap_or(0);
+        for (device, input) in members.devices.iter().zip(&members.inputs) {
+            if input.state == MemberState::Pending {
+                continue;
+            }
+            let part = member_part(rollout.name_any(), revision, input);
+            let shown = device.status.as_ref().and_then(|s| s.rollout.as_ref());
+            if shown == Some(&part) {
+                continue;
+            }
+            let key =
+                ResourceKey::device(device.namespace().unwrap_or_default(), device.name_any());
+            let uid = device.uid().unwrap_or_default();
+            self.budget
+                .submit(key, StatusChange::Rollout { uid, part }, None);
+        }
+    }
+
     /// Events for the transitions people care about.
     fn announce(&self, rollout: &FleetRollout, old: &FleetRolloutStatus, new: &FleetRolloutStatus) {
         let reference = rollout.object_ref(&());
@@ -547,6 +574,26 @@ impl Context {
         {
             publish(false, "WaveStarted", format!("{wave} started"));
         }
+    }
+}
+
+/// A member's part as its Device's status shows it.
+fn member_part(name: String, revision: i64, m: &MemberInput) -> DeviceRolloutStatus {
+    let state = match m.state {
+        s if m.away_ms.is_some() && !s.done() => "Unreachable",
+        MemberState::Pending => "Pending",
+        MemberState::Updating => "Updating",
+        MemberState::Baking => "Baking",
+        MemberState::Succeeded => "Succeeded",
+        MemberState::Failed => "Failed",
+        MemberState::RolledBack => "RolledBack",
+        MemberState::Skipped => "Skipped",
+    };
+    DeviceRolloutStatus {
+        name,
+        revision,
+        state: state.to_owned(),
+        failure: m.class.map(|c| format!("{c:?}")),
     }
 }
 

@@ -97,6 +97,13 @@ pub enum StatusChange {
     },
     /// The Device's edge node has an agent again.
     NodeReachable,
+    /// The device's part in a FleetRollout changed.
+    Rollout {
+        /// The Device's uid the rollout judged.
+        uid: String,
+        /// Its part.
+        part: edgefleet_shared::api::device::DeviceRolloutStatus,
+    },
     /// The agent refused to store this generation.
     Rejected {
         /// The Device's uid the agent was sent.
@@ -690,6 +697,11 @@ pub fn next_status(
             StatusChange::Observed { generation: g } => {
                 if next.observed_generation.is_none_or(|o| o < *g) {
                     next.observed_generation = Some(*g);
+                }
+            }
+            StatusChange::Rollout { uid: judged, part } => {
+                if judged == uid {
+                    next.rollout = Some(part.clone());
                 }
             }
             StatusChange::Rejected {

@@ -291,6 +291,20 @@ async fn a_rollout_goes_canary_then_waves_within_its_limits_at_every_moment() {
             d.name_any()
         );
     }
+    // And each Device's status shows its part, for `kubectl get devices -o wide`.
+    eventually("every Device shows it succeeded in fw-2", || async {
+        let list = sites.devices.list(&Default::default()).await.ok()?;
+        list.items
+            .iter()
+            .all(|d| {
+                let part = d.status.as_ref().and_then(|s| s.rollout.as_ref());
+                part.is_some_and(|p| {
+                    p.name == "fw-2" && p.state == "Succeeded" && p.failure.is_none()
+                })
+            })
+            .then_some(())
+    })
+    .await;
     sites.stack.shutdown();
 }
 
@@ -414,6 +428,17 @@ async fn install_failures_under_the_thresholds_let_the_rollout_complete_with_the
     assert_eq!(status.counts.succeeded as usize, 20 - failed);
     let (degraded, reason, _) = condition(&done, "Degraded");
     assert_eq!((degraded, reason), ("False", "FailuresBelowThreshold"));
+    // Their Devices say so, and why.
+    eventually("the failed Devices show their failure", || async {
+        for name in &timeline.failed {
+            let d = sites.devices.get(name).await.ok()?;
+            let part = d.status?.rollout?;
+            (part.state == "Failed" && part.failure.as_deref() == Some("InstallFailed"))
+                .then_some(())?;
+        }
+        Some(())
+    })
+    .await;
     // The failed ones run what they ran, the others the target.
     let firmware = spec_and_reported(&sites.devices).await;
     for (name, (_, reported)) in &firmware {

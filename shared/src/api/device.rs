@@ -59,6 +59,20 @@ use crate::property::PropertyValue;
         priority = 1,
         description = "Generation the device applied"
     ),
+    printcolumn(
+        name = "Rollout",
+        type_ = "string",
+        json_path = ".status.rollout.name",
+        priority = 1,
+        description = "The FleetRollout that changed the device last"
+    ),
+    printcolumn(
+        name = "Rollout-State",
+        type_ = "string",
+        json_path = ".status.rollout.state",
+        priority = 1,
+        description = "The device's state in that rollout"
+    ),
     selectable = ".spec.node"
 )]
 #[serde(rename_all = "camelCase")]
@@ -148,6 +162,26 @@ pub struct DeviceStatus {
     /// `reported` (a resend after a crash, a delayed copy).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_report: Option<ReportOrigin>,
+    /// Where the device stands in the FleetRollout that selects it (the
+    /// rollout's own status only counts devices).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollout: Option<DeviceRolloutStatus>,
+}
+
+/// A device's part in a FleetRollout.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DeviceRolloutStatus {
+    /// The FleetRollout.
+    pub name: String,
+    /// Its `metadata.generation` the state was judged under.
+    pub revision: i64,
+    /// Pending, Updating, Baking, Succeeded, Failed, RolledBack,
+    /// Unreachable or Skipped.
+    pub state: String,
+    /// Why it failed: InstallFailed, HealthFailed or TimedOut.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure: Option<String>,
 }
 
 /// Which report a status shows: sequence numbers count within one agent
