@@ -160,7 +160,7 @@ async fn reconcile(rollout: Arc<FleetRollout>, context: Arc<Context>) -> Result<
         return Ok(Action::await_change());
     }
     let (mut status, action) = match context.plan(&rollout, now) {
-        Err(refusal) => (refusal.status(&rollout, &current), Action::await_change()),
+        Err(refusal) => (refusal.status(&current), Action::await_change()),
         Ok(Planned::Waiting { other, shared }) => {
             let mut status = FleetRolloutStatus {
                 phase: Some(RolloutPhase::Pending),
@@ -192,7 +192,11 @@ async fn reconcile(rollout: Arc<FleetRollout>, context: Arc<Context>) -> Result<
         }
     };
     status.observed_generation = rollout.metadata.generation;
-    if status.started_at.is_none() && status.phase != Some(RolloutPhase::Pending) {
+    let running = !matches!(
+        status.phase,
+        None | Some(RolloutPhase::Pending | RolloutPhase::Invalid)
+    );
+    if status.started_at.is_none() && running {
         status.started_at = Some(Time(now));
     }
     if status != current {
@@ -232,8 +236,7 @@ struct Refusal {
 }
 
 impl Refusal {
-    fn status(&self, rollout: &FleetRollout, current: &FleetRolloutStatus) -> FleetRolloutStatus {
-        let _ = rollout;
+    fn status(&self, current: &FleetRolloutStatus) -> FleetRolloutStatus {
         let mut status = FleetRolloutStatus {
             phase: Some(RolloutPhase::Invalid),
             ..current.clone()
@@ -360,6 +363,13 @@ impl Context {
                     settled,
                     away_ms: self.away_ms(&d.spec.node, now),
                     inconclusive: changed && rollout_member::inconclusive(d),
+                    late: spec.membership == Membership::Dynamic
+                        && started.as_ref().is_some_and(|s| {
+                            d.metadata
+                                .creation_timestamp
+                                .as_ref()
+                                .is_some_and(|c| c.0 > s.0)
+                        }),
                 }
             })
             .collect();

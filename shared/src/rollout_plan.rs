@@ -108,6 +108,9 @@ pub struct Member {
     pub state: MemberState,
     /// Whether its node can be reached now.
     pub reachable: bool,
+    /// It joined after the rollout started (Dynamic membership): it goes
+    /// into the last stage, after everyone else, and is no site's canary.
+    pub late: bool,
 }
 
 /// Which way a percentage of members is rounded.
@@ -176,13 +179,19 @@ impl Plan {
             by_domain.entry(m.domain.clone()).or_default().push(i);
         }
         let mut order = Vec::with_capacity(n);
+        let on_time = |v: &Vec<usize>| -> Vec<usize> {
+            v.iter().copied().filter(|&i| !members[i].late).collect()
+        };
         let mut columns: Vec<std::vec::IntoIter<usize>> =
-            by_domain.values().map(|v| v.clone().into_iter()).collect();
-        while order.len() < n {
+            by_domain.values().map(|v| on_time(v).into_iter()).collect();
+        let early = members.iter().filter(|m| !m.late).count();
+        while order.len() < early {
             for column in &mut columns {
                 order.extend(column.next());
             }
         }
+        // Late joiners last, in the given order.
+        order.extend((0..n).filter(|&i| members[i].late));
         // Stage boundaries, cumulative, rising; the canary first and a
         // last stage of everyone.
         let mut bounds = vec![resolve(&strategy.canary, n, Rounding::Up)?];
@@ -197,7 +206,10 @@ impl Plan {
         }
         let mut stage = vec![0; n];
         for (position, &member) in order.iter().enumerate() {
-            stage[member] = bounds.iter().position(|&b| position < b).unwrap_or(0);
+            stage[member] = match members[member].late {
+                true => bounds.len() - 1,
+                false => bounds.iter().position(|&b| position < b).unwrap_or(0),
+            };
         }
         // Each domain's canary: its first members in that order.
         let mut domain_canary = vec![false; n];
@@ -209,7 +221,7 @@ impl Plan {
                 Some(d) => resolve(&d.canary, size, Rounding::Up)?,
                 None => 0,
             };
-            for &i in indices.iter().take(canary) {
+            for &i in on_time(indices).iter().take(canary) {
                 domain_canary[i] = true;
             }
             let max = match domain {
@@ -330,6 +342,7 @@ mod tests {
                     domain: Some(format!("site-{site}")),
                     state: MemberState::Pending,
                     reachable: true,
+                    late: false,
                 })
             })
             .collect()
@@ -366,6 +379,22 @@ mod tests {
         assert_eq!(resolve(&share("ten"), 15, Rounding::Up), None);
         assert_eq!(limit(&share("10%"), 5), 1, "a limit lets one through");
         assert_eq!(limit(&share("0%"), 0), 0);
+    }
+
+    #[test]
+    fn late_joiners_go_last_into_the_last_stage_and_are_no_canary() {
+        let mut ms = members(&[3, 3]);
+        ms[0].late = true;
+        ms[3].late = true;
+        let plan = Plan::new(&strategy("1", &["50%"], "100%", Some(("100%", "1"))), &ms).unwrap();
+        assert_eq!(plan.stage[0], plan.stages - 1);
+        assert_eq!(plan.stage[3], plan.stages - 1);
+        assert_eq!(&plan.order[4..], &[0, 3], "after everyone else");
+        assert!(!plan.domain_canary[0] && !plan.domain_canary[3]);
+        assert!(
+            plan.domain_canary[1] && plan.domain_canary[4],
+            "the first on time"
+        );
     }
 
     #[test]

@@ -39,6 +39,8 @@ pub struct MemberInput {
     pub away_ms: Option<i64>,
     /// Its agent could not judge its health (the rollout pauses).
     pub inconclusive: bool,
+    /// It joined after the rollout started (Dynamic membership).
+    pub late: bool,
 }
 
 /// A condition as a step wants it; the caller keeps transition times.
@@ -287,6 +289,7 @@ fn view(spec: &FleetRolloutSpec, m: &MemberInput) -> Member {
         domain: m.domain.clone(),
         state,
         reachable,
+        late: m.late,
     }
 }
 
@@ -475,6 +478,7 @@ mod tests {
                 settled: true,
                 away_ms: None,
                 inconclusive: false,
+                late: false,
             })
             .collect()
     }

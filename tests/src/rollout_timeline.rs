@@ -47,6 +47,7 @@ impl Expectations {
                 domain: Some(site.clone()),
                 state: MemberState::Pending,
                 reachable: true,
+                late: false,
             })
             .collect();
         let plan = Plan::new(&rollout.spec.strategy, &view).expect("a valid strategy");
@@ -71,7 +72,8 @@ impl Expectations {
 /// What the recorder found.
 #[derive(Clone, Debug, Default)]
 pub struct Timeline {
-    /// Moments (watch events of members) seen.
+    /// Moments seen: writes to member Devices (watch events after the
+    /// first list), by anyone — the rollout's changes, status writes.
     pub moments: usize,
     /// The most members unavailable at once, overall.
     pub max_unavailable: usize,
@@ -109,21 +111,23 @@ impl Recorder {
         let timeline = Arc::new(Mutex::new(Timeline::default()));
         let shared = Arc::clone(&timeline);
         let task = tokio::spawn(async move {
-            let mut devices: BTreeMap<String, Device> = BTreeMap::new();
             let events = watcher(api, watcher::Config::default());
             futures::pin_mut!(events);
             while let Some(event) = events.next().await {
-                let device = match event {
-                    Ok(watcher::Event::Apply(d) | watcher::Event::InitApply(d)) => d,
+                let (device, listed) = match event {
+                    Ok(watcher::Event::Apply(d)) => (d, false),
+                    Ok(watcher::Event::InitApply(d)) => (d, true),
                     _ => continue,
                 };
                 let name = device.name_any();
                 if !expect.site.contains_key(&name) {
                     continue;
                 }
-                devices.insert(name.clone(), device);
                 let mut t = shared.lock().expect("timeline");
-                observe(&mut t, &devices, &name, &rollout, &expect);
+                if !listed {
+                    t.moments += 1;
+                }
+                observe(&mut t, &device, &name, &rollout, &expect);
             }
         });
         Recorder { timeline, task }
@@ -143,22 +147,18 @@ impl Recorder {
 
 fn observe(
     t: &mut Timeline,
-    devices: &BTreeMap<String, Device>,
+    device: &Device,
     name: &str,
     rollout: &FleetRollout,
     expect: &Expectations,
 ) {
-    t.moments += 1;
-    let now = Timestamp::now();
-    let states: BTreeMap<&String, MemberState> = devices
-        .iter()
-        .map(|(n, d)| (n, rollout_member::state(d, rollout, now).0))
-        .collect();
-    let state = states[&name.to_owned()];
-    let ours = rollout_member::record(&devices[name])
+    // Only this device changed at this moment: the others keep their
+    // states (no state here moves by time alone but a time-out).
+    let state = rollout_member::state(device, rollout, Timestamp::now()).0;
+    t.states.insert(name.to_owned(), state);
+    let ours = rollout_member::record(device)
         .and_then(Result::ok)
         .filter(|r| Some(&r.uid) == rollout.metadata.uid.as_ref());
-    let changed_now = ours.is_some();
     if let Some(r) = &ours {
         let first = *t
             .changed_at
@@ -167,10 +167,10 @@ fn observe(
         if first != r.changed_at_ms && !t.changed_twice.iter().any(|n| n == name) {
             t.changed_twice.push(name.to_owned());
         }
-    }
-    if changed_now && !t.changed.iter().any(|n| n == name) {
-        t.changed.push(name.to_owned());
-        check_order(t, &states, name, expect);
+        if !t.changed.iter().any(|n| n == name) {
+            t.changed.push(name.to_owned());
+            check_order(t, name, expect);
+        }
     }
     if state == MemberState::RolledBack && !t.rolled_back.iter().any(|n| n == name) {
         t.rolled_back.push(name.to_owned());
@@ -180,51 +180,48 @@ fn observe(
     }
     let mut by_site: BTreeMap<&str, usize> = BTreeMap::new();
     let mut total = 0;
-    for (n, s) in &states {
+    for (n, s) in &t.states {
         if s.unavailable() {
             total += 1;
-            *by_site.entry(expect.site[*n].as_str()).or_default() += 1;
+            *by_site.entry(expect.site[n].as_str()).or_default() += 1;
         }
     }
     t.max_unavailable = t.max_unavailable.max(total);
+    let by_site: Vec<(String, usize)> = by_site
+        .into_iter()
+        .map(|(s, n)| (s.to_owned(), n))
+        .collect();
     for (site, n) in by_site {
-        let max = t
-            .max_unavailable_by_site
-            .entry(site.to_owned())
-            .or_default();
+        let max = t.max_unavailable_by_site.entry(site).or_default();
         *max = (*max).max(n);
     }
-    t.states = states.into_iter().map(|(n, s)| (n.clone(), s)).collect();
 }
 
 /// At the moment `name` is first changed: every reachable member of an
 /// earlier stage is done, and its site's canaries have succeeded unless it
 /// is one.
-fn check_order(
-    t: &mut Timeline,
-    states: &BTreeMap<&String, MemberState>,
-    name: &str,
-    expect: &Expectations,
-) {
+fn check_order(t: &mut Timeline, name: &str, expect: &Expectations) {
     let stage = expect.stage[name];
-    for (other, s) in states {
-        if expect.stage[*other] < stage && !s.done() && !expect.unreachable.contains(*other) {
-            t.violations.push(format!(
+    let mut found = Vec::new();
+    for (other, s) in &t.states {
+        if expect.stage[other] < stage && !s.done() && !expect.unreachable.contains(other) {
+            found.push(format!(
                 "{name} (stage {stage}) changed while {other} of stage {} was {s:?}",
-                expect.stage[*other]
+                expect.stage[other]
             ));
         }
-        let same_site = expect.site[*other] == expect.site[name];
+        let same_site = expect.site[other] == expect.site[name];
         if same_site
             && !expect.site_canaries.contains(name)
-            && expect.site_canaries.contains(*other)
+            && expect.site_canaries.contains(other)
             && *s != MemberState::Succeeded
-            && !expect.unreachable.contains(*other)
+            && !expect.unreachable.contains(other)
         {
-            t.violations.push(format!(
+            found.push(format!(
                 "{name} changed while {other}, the canary of site {}, was {s:?}",
                 expect.site[name]
             ));
         }
     }
+    t.violations.extend(found);
 }

@@ -296,7 +296,38 @@ async fn a_misspelt_field_is_refused() {
 async fn the_examples_are_devices_the_simulator_understands() {
     let client = control_plane().client().await;
     let ns = test_namespace(&client, "examples").await;
-    let examples = example_manifests();
+    let (examples, rollouts): (Vec<Manifest>, Vec<Manifest>) = example_manifests()
+        .into_iter()
+        .partition(|m| m.kind() == "Device");
+
+    // The rollout examples: accepted with strict validation, a health
+    // expression the controller compiles, and a selector that picks some of
+    // the example Devices.
+    assert!(!rollouts.is_empty(), "no FleetRollout example");
+    for rollout in &rollouts {
+        assert_eq!(rollout.kind(), "FleetRollout", "{}", rollout.origin);
+        let mut object = rollout.object.clone();
+        object.metadata.namespace = Some(ns.clone());
+        apply(&client, &object, &strict())
+            .await
+            .unwrap_or_else(|e| panic!("{}: refused: {e}", rollout.origin));
+        let spec: edgefleet_shared::api::FleetRolloutSpec =
+            serde_json::from_value(rollout.object.data["spec"].clone()).unwrap();
+        if let Some(health) = &spec.health {
+            edgefleet_shared::health_gate::HealthGate::compile(&health.expression)
+                .unwrap_or_else(|e| panic!("{}: {e}", rollout.origin));
+        }
+        let selector = kube::core::Selector::try_from(spec.selector.clone()).unwrap();
+        let picks = examples.iter().any(|d| {
+            let labels = d.object.metadata.labels.clone().unwrap_or_default();
+            kube::core::SelectorExt::matches(&selector, &labels)
+        });
+        assert!(
+            picks,
+            "{}: selects none of the example Devices",
+            rollout.origin
+        );
+    }
 
     for example in &examples {
         assert_eq!(example.kind(), "Device", "{}", example.origin);

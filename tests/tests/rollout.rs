@@ -388,6 +388,21 @@ async fn spec_and_reported(
         .collect()
 }
 
+/// Waits until every Device's spec and its device are on the factory
+/// firmware again.
+async fn all_back_on_factory_firmware(devices: &Api<Device>) {
+    eventually("every device reports the previous firmware", || async {
+        let firmware = spec_and_reported(devices).await;
+        firmware
+            .values()
+            .all(|(spec, reported)| {
+                spec.as_deref() == Some(FACTORY) && reported.as_deref() == Some(FACTORY)
+            })
+            .then_some(())
+    })
+    .await;
+}
+
 fn condition<'a>(rollout: &'a FleetRollout, type_: &str) -> (&'a str, &'a str, &'a str) {
     let c = rollout
         .status
@@ -490,16 +505,7 @@ async fn crossing_a_failure_threshold_rolls_every_changed_device_back() {
     back.sort();
     assert_eq!(back, changed, "every changed device was changed back");
     // Back on the previous firmware: in the spec and as the devices say.
-    eventually("every device reports the previous firmware", || async {
-        let firmware = spec_and_reported(&sites.devices).await;
-        firmware
-            .values()
-            .all(|(spec, reported)| {
-                spec.as_deref() == Some(FACTORY) && reported.as_deref() == Some(FACTORY)
-            })
-            .then_some(())
-    })
-    .await;
+    all_back_on_factory_firmware(&sites.devices).await;
     sites.stack.shutdown();
 }
 
@@ -548,16 +554,7 @@ async fn a_paused_rollout_waits_a_resumed_one_goes_on_and_an_aborted_one_rolls_b
     let timeline = recorder.finish();
     assert_limits(&timeline, 2, 2);
     assert!(timeline.changed.len() < 12, "aborted mid-way");
-    eventually("every device reports the previous firmware", || async {
-        let firmware = spec_and_reported(&sites.devices).await;
-        firmware
-            .values()
-            .all(|(spec, reported)| {
-                spec.as_deref() == Some(FACTORY) && reported.as_deref() == Some(FACTORY)
-            })
-            .then_some(())
-    })
-    .await;
+    all_back_on_factory_firmware(&sites.devices).await;
     sites.stack.shutdown();
 }
 
@@ -798,4 +795,54 @@ fn condition_opt<'a>(
         .iter()
         .find(|c| c.type_ == type_)?;
     Some((c.status.as_str(), c.reason.as_str(), c.message.as_str()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_admission_cannot_check_the_controller_refuses_with_a_condition() {
+    let sites = Sites::start("fro-invalid", 1, 2, &[]).await;
+    let target = firmware_target("2.0.0");
+    let (_, bad_expression) = sites
+        .roll_out(
+            "bad-expression",
+            json!({
+                "target": target,
+                "selector": {},
+                "health": { "expression": "reported.temperature <" },
+            }),
+        )
+        .await;
+    let (_, no_domain) = sites
+        .roll_out(
+            "no-domain",
+            json!({
+                "target": target,
+                "selector": {},
+                "strategy": {
+                    "failureDomain": { "topologyKey": "example.com/no-such-label", "maxUnavailable": 1 },
+                },
+            }),
+        )
+        .await;
+    for (name, reason, words) in [
+        (
+            "bad-expression",
+            "InvalidHealthExpression",
+            "does not compile",
+        ),
+        ("no-domain", "NoFailureDomain", "example.com/no-such-label"),
+    ] {
+        let invalid = sites
+            .wait_for_phase(name, RolloutPhase::Invalid, Duration::from_secs(30))
+            .await;
+        let (accepted, why, message) = condition(&invalid, "Accepted");
+        assert_eq!((accepted, why), ("False", reason), "{name}: {message}");
+        assert!(message.contains(words), "{name}: {message}");
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(bad_expression.finish().changed.is_empty());
+    assert!(
+        no_domain.finish().changed.is_empty(),
+        "an invalid rollout changes nothing"
+    );
+    sites.stack.shutdown();
 }
