@@ -352,7 +352,12 @@ async fn kubectl_get_devices_shows_node_model_firmware_phase_age() {
     let status = json!({
         "apiVersion": "edgefleet.io/v1alpha1",
         "kind": "Device",
-        "status": { "firmwareVersion": "1.4.1", "phase": "Delivered", "appliedGeneration": 0 },
+        "status": {
+            "firmwareVersion": "1.4.1",
+            "phase": "Delivered",
+            "appliedGeneration": 0,
+            "rollout": { "name": "fw-1-4-1", "revision": 1, "state": "Updating" },
+        },
     });
     api.patch_status(
         "t1",
@@ -377,7 +382,9 @@ async fn kubectl_get_devices_shows_node_model_firmware_phase_age() {
             "Phase",
             "Age",
             "Transport",
-            "Applied"
+            "Applied",
+            "Rollout",
+            "Rollout-State"
         ]
     );
     assert_eq!(rows.len(), 1);
@@ -398,6 +405,11 @@ async fn kubectl_get_devices_shows_node_model_firmware_phase_age() {
         row[5]
     );
     assert_eq!(row[6], json!("coap"));
+    assert_eq!(
+        row[8..10],
+        [json!("fw-1-4-1"), json!("Updating")],
+        "-o wide: the device's rollout"
+    );
     assert_eq!(row[7], json!(0));
 }
 
