@@ -403,13 +403,10 @@ async fn all_back_on_factory_firmware(devices: &Api<Device>) {
     .await;
 }
 
+/// The condition `type_` of `rollout` (status, reason, message); it must
+/// have one.
 fn condition<'a>(rollout: &'a FleetRollout, type_: &str) -> (&'a str, &'a str, &'a str) {
-    let c = rollout
-        .status
-        .as_ref()
-        .and_then(|s| s.conditions.iter().find(|c| c.type_ == type_))
-        .unwrap_or_else(|| panic!("no {type_} condition"));
-    (c.status.as_str(), c.reason.as_str(), c.message.as_str())
+    condition_opt(rollout, type_).unwrap_or_else(|| panic!("no {type_} condition"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
