@@ -1176,8 +1176,12 @@ impl Store {
         received_at_ms: i64,
     ) -> Result<(u64, bool), StoreError> {
         let key = device.to_string();
-        let uid = self.held_uid(device)?;
+        // Read once: the uid the report is about and the health check.
         let desired = self.desired(device)?;
+        let uid = desired
+            .as_ref()
+            .map(|d| d.version.uid.clone())
+            .unwrap_or_default();
         let entry = encode(&OutboxEntry::Report {
             device: key.clone(),
         });
