@@ -1079,6 +1079,14 @@ async fn the_reconciler_accepts_generations_and_holds_a_deletion_until_the_edge_
         _dir,
     } = Setup::new("reconcile").await;
     let _agent = start_agent(&controller, &node, &store);
+    // The Device must find the node's agent connected; otherwise the
+    // controller rightly warns NodeNotFound.
+    let edge_nodes: Api<EdgeNode> = Api::all(client.clone());
+    eventually("the agent is connected", || async {
+        let n = edge_nodes.get(&node).await.ok()?;
+        n.status?.connected.then_some(())
+    })
+    .await;
     let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
     let key = ResourceKey::device(&ns, "t1");
 
