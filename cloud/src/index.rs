@@ -63,6 +63,8 @@ impl IndexedDevice {
                     bake_seconds: h.bake_seconds,
                 }
             }),
+            site_rollback: edgefleet_shared::rollout_member::site_rollback(device)
+                .map(|s| proto::SiteRollback::from(&s)),
         };
         Some((
             key,

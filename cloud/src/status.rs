@@ -80,6 +80,8 @@ pub enum StatusChange {
         firmware_failure: Option<edgefleet_shared::codec::FirmwareFailure>,
         /// The agent's health check of the applied generation.
         health: Option<edgefleet_shared::health_check::HealthState>,
+        /// The agent rolled the device back on its own.
+        edge_rollback: Option<edgefleet_shared::site_rollback::EdgeRollback>,
         /// When the agent received the report (Unix milliseconds).
         received_at_ms: i64,
         /// Where it came from; `None` from an agent that does not say.
@@ -728,6 +730,7 @@ pub fn next_status(
                 firmware_version,
                 firmware_failure,
                 health,
+                edge_rollback,
                 received_at_ms,
                 origin,
             } => {
@@ -757,6 +760,17 @@ pub fn next_status(
                 }
                 if let Some(h) = health {
                     set_health(&mut next.conditions, h, now);
+                }
+                if let Some(r) = edge_rollback {
+                    set_condition(
+                        &mut next.conditions,
+                        condition::ROLLED_BACK,
+                        true,
+                        condition::SITE_THRESHOLD_CROSSED,
+                        &r.message,
+                        r.generation,
+                        now,
+                    );
                 }
                 next.applied_generation = Some(*applied_generation);
                 next.reported = properties.clone();
@@ -944,6 +958,7 @@ mod tests {
             firmware_version: Some("1.0.0".into()),
             firmware_failure: None,
             health: None,
+            edge_rollback: None,
             received_at_ms: ms,
             origin: None,
         }
@@ -991,6 +1006,41 @@ mod tests {
         );
     }
 
+    #[test]
+    fn a_rollback_by_the_agent_shows_as_rolled_back_for_the_generation_it_undid() {
+        // The device runs generation 4's predecessor again, under 3.
+        let mut back = report(3, 20.0, 2_000);
+        if let StatusChange::Reported { edge_rollback, .. } = &mut back {
+            *edge_rollback = Some(edgefleet_shared::site_rollback::EdgeRollback {
+                rollout: "fw-2".into(),
+                generation: 4,
+                at_ms: 1_500,
+                message: "2 of 2 failed".into(),
+            });
+        }
+        let next = next_status(&DeviceStatus::default(), &[back], "u", 4, at(2_000));
+        let c = next
+            .conditions
+            .iter()
+            .find(|c| c.type_ == condition::ROLLED_BACK)
+            .expect("RolledBack");
+        assert_eq!(
+            (
+                c.status.as_str(),
+                c.reason.as_str(),
+                c.observed_generation,
+                c.message.as_str()
+            ),
+            (
+                "True",
+                condition::SITE_THRESHOLD_CROSSED,
+                Some(4),
+                "2 of 2 failed"
+            )
+        );
+        assert_eq!(next.applied_generation, Some(3));
+    }
+
     fn report_from(store: &str, seq: u64, temperature: f64) -> StatusChange {
         let StatusChange::Reported {
             applied_generation,
@@ -1009,6 +1059,7 @@ mod tests {
             firmware_version,
             firmware_failure: None,
             health: None,
+            edge_rollback: None,
             received_at_ms,
             origin: Some(ReportOrigin {
                 store: store.into(),

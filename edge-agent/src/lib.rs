@@ -6,11 +6,14 @@
 //! - [`coap`]: the CoAP server devices report to and read (or observe)
 //!   their desired state from;
 //! - [`mqtt`]: desired state out and MQTT devices' reports in, on the site
-//!   broker (embedded by default).
+//!   broker (embedded by default);
+//! - [`site_rollback`]: a rollout's per-site failure threshold, judged and
+//!   acted on by the agent while the cloud is unreachable.
 
 #![forbid(unsafe_code)]
 
 pub mod coap;
 pub mod mqtt;
+pub mod site_rollback;
 pub mod store;
 pub mod sync;

@@ -224,6 +224,12 @@ async fn main() -> anyhow::Result<()> {
             )),
         ),
     };
+    let site_rollbacks = prometheus_client::metrics::counter::Counter::<u64>::default();
+    registry.register(
+        "site_rollbacks",
+        "Devices this agent rolled back on its own: their site crossed a rollout's failure threshold while the cloud was unreachable",
+        site_rollbacks.clone(),
+    );
     let gauges = {
         let store = store.clone();
         async move {
@@ -264,6 +270,7 @@ async fn main() -> anyhow::Result<()> {
         () = sync::run(settings, store.clone()) => {}
         () = mqtt::run(broker, cli.node.clone(), store.clone(), mqtt_metrics, mqtt_check) => {}
         () = gauges => {}
+        () = edgefleet_agent::site_rollback::run(store.clone(), site_rollbacks) => {}
         _ = shutdown_signal() => tracing::info!("shutting down"),
     }
     Ok(())

@@ -39,6 +39,7 @@ use edgefleet_shared::codec::{DesiredState, DeviceEvent, DeviceReport, FirmwareO
 use edgefleet_shared::health_check::{self, HealthCheck, HealthState};
 use edgefleet_shared::health_gate::HealthGate;
 pub use edgefleet_shared::proto::Flow;
+use edgefleet_shared::site_rollback::{self, EdgeRollback, SiteRollback};
 use edgefleet_shared::{PropertyValue, ResourceKey, ResourceVersion};
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 use sled::Transactional;
@@ -85,11 +86,33 @@ pub struct DesiredDevice {
     /// The rollout health check of this generation, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub health_check: Option<HealthCheck>,
+    /// What to put back if the site crosses the rollout's failure
+    /// threshold while the cloud is away, if the rollout says.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub site_rollback: Option<SiteRollback>,
+    /// Set once this agent rolled the device back on its own; lasts until
+    /// the cloud sends another generation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rolled_back_at_edge: Option<RolledBackAtEdge>,
+}
+
+/// A device the agent rolled back on its own: what it did, and what the
+/// device is told instead of the held generation.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RolledBackAtEdge {
+    /// What it did, for the cloud.
+    pub mark: EdgeRollback,
+    /// The desired state put back.
+    pub state: DesiredState,
 }
 
 impl DesiredDevice {
-    /// What the device itself is told: the device wire format's message.
+    /// What the device itself is told: the device wire format's message
+    /// (what was put back, if the agent rolled the device back).
     pub fn to_wire(&self) -> DesiredState {
+        if let Some(back) = &self.rolled_back_at_edge {
+            return back.state.clone();
+        }
         DesiredState {
             generation: self.version.generation,
             properties: self.properties.clone(),
@@ -133,6 +156,9 @@ pub struct LatestReport {
     /// report, if its desired state has one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub health: Option<HealthState>,
+    /// The agent rolled the device back on its own, if it did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub edge_rollback: Option<EdgeRollback>,
 }
 
 /// While the cloud is connected, an unchanged report goes up again after
@@ -419,6 +445,11 @@ pub struct Store {
     link_up_since: Arc<std::sync::atomic::AtomicI64>,
     // Woken whenever an entry joins the outbox, so the uplink needs no polling.
     outbox_changed: Arc<Notify>,
+    // Since when no sync session is open (Unix ms), or 0 while one is.
+    link_down_since: Arc<std::sync::atomic::AtomicI64>,
+    // Woken by a report of a device under a site rollback plan, and when
+    // the link goes down (see crate::site_rollback).
+    site_watch: Arc<Notify>,
     // Every durable change of desired state, for the device-side publishers.
     desired_changes: broadcast::Sender<DesiredChange>,
     flusher: GroupFlush,
@@ -747,6 +778,8 @@ impl Store {
             store_id: String::new(),
             link_up_since: Arc::default(),
             outbox_changed: Arc::new(Notify::new()),
+            link_down_since: Arc::new(edgefleet_shared::now_unix_ms().into()),
+            site_watch: Arc::new(Notify::new()),
             desired_changes: broadcast::Sender::new(DESIRED_CHANGES_BUFFER),
             flusher: GroupFlush::start(db.clone(), seqs, files),
             desired: tree("desired")?,
@@ -1096,6 +1129,85 @@ impl Store {
     pub fn set_link(&self, up_since_ms: Option<i64>) {
         self.link_up_since
             .store(up_since_ms.unwrap_or(0), Ordering::Relaxed);
+        match up_since_ms {
+            Some(_) => self.link_down_since.store(0, Ordering::Relaxed),
+            None => {
+                let now = edgefleet_shared::now_unix_ms();
+                let _ = self.link_down_since.compare_exchange(
+                    0,
+                    now,
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                );
+                self.site_watch.notify_one();
+            }
+        }
+    }
+
+    /// Since when no sync session is open (Unix ms); `None` while one is.
+    pub fn link_down_since(&self) -> Option<i64> {
+        Some(self.link_down_since.load(Ordering::Relaxed)).filter(|t| *t > 0)
+    }
+
+    /// Woken by a report of a device under a site rollback plan, and when
+    /// the link goes down.
+    pub fn site_watch(&self) -> Arc<Notify> {
+        Arc::clone(&self.site_watch)
+    }
+
+    /// Rolls `devices` back on the agent's own authority, with `message`:
+    /// each is told what its rollout replaced (see
+    /// [`site_rollback::put_back`]), the stored state says so, and its
+    /// latest report goes up again carrying the mark. Skips devices
+    /// without a plan, rolled back already, or changed meanwhile; returns
+    /// those rolled back.
+    pub async fn roll_back_at_edge(
+        &self,
+        devices: &[(ResourceKey, ResourceVersion)],
+        message: &str,
+    ) -> Result<Vec<ResourceKey>, StoreError> {
+        let now = edgefleet_shared::now_unix_ms();
+        let mut done = Vec::new();
+        for (key, version) in devices {
+            let k = key.to_string();
+            let Some(old) = self.desired.get(k.as_bytes())? else {
+                continue;
+            };
+            let mut device: DesiredDevice = decode(k.as_bytes(), &old)?;
+            let Some(plan) = device.site_rollback.as_ref() else {
+                continue;
+            };
+            if device.rolled_back_at_edge.is_some() || device.version != *version {
+                continue;
+            }
+            device.rolled_back_at_edge = Some(RolledBackAtEdge {
+                mark: EdgeRollback {
+                    rollout: plan.rollout.clone(),
+                    generation: device.version.generation,
+                    at_ms: now,
+                    message: message.to_owned(),
+                },
+                state: site_rollback::put_back(&device.to_wire(), &plan.previous),
+            });
+            // Only over what was read: a cloud update in between wins.
+            let swapped =
+                self.desired
+                    .compare_and_swap(k.as_bytes(), Some(old), Some(encode(&device)))?;
+            if swapped.is_err() {
+                continue;
+            }
+            if let Some(latest) = self.latest_report(key)? {
+                self.write_report(key, latest.report, latest.received_at_ms)?;
+            }
+            done.push(key.clone());
+        }
+        self.flusher.flush().await?;
+        self.outbox_changed.notify_one();
+        let _ = self.desired_changes.send(DesiredChange {
+            upserted: done.clone(),
+            removed: Vec::new(),
+        });
+        Ok(done)
     }
 
     /// Records a device's report durably and queues it for the cloud;
@@ -1182,6 +1294,15 @@ impl Store {
             .as_ref()
             .map(|d| d.version.uid.clone())
             .unwrap_or_default();
+        let edge_rollback = desired
+            .as_ref()
+            .and_then(|d| Some(d.rolled_back_at_edge.as_ref()?.mark.clone()));
+        if desired
+            .as_ref()
+            .is_some_and(|d| d.site_rollback.is_some() && d.rolled_back_at_edge.is_none())
+        {
+            self.site_watch.notify_one();
+        }
         let entry = encode(&OutboxEntry::Report {
             device: key.clone(),
         });
@@ -1198,6 +1319,9 @@ impl Store {
                     None => None,
                 };
                 let health = desired.as_ref().and_then(|d| {
+                    if d.rolled_back_at_edge.is_some() {
+                        return None;
+                    }
                     let check = d.health_check.as_ref()?;
                     let gate = self.health_gate(&check.expression);
                     health_check::next(
@@ -1209,10 +1333,12 @@ impl Store {
                         received_at_ms,
                     )
                 });
-                if let Some(previous) = previous
-                    .as_ref()
-                    .filter(|p| p.report == report && p.uid == uid && p.health == health)
-                {
+                if let Some(previous) = previous.as_ref().filter(|p| {
+                    p.report == report
+                        && p.uid == uid
+                        && p.health == health
+                        && p.edge_rollback == edge_rollback
+                }) {
                     let keepalive_due = link_up_since > 0
                         && received_at_ms - previous.queued_at_ms.max(link_up_since)
                             >= UNCHANGED_REPORT_KEEPALIVE_MS;
@@ -1236,6 +1362,7 @@ impl Store {
                     uid: uid.clone(),
                     report: report.clone(),
                     health,
+                    edge_rollback: edge_rollback.clone(),
                 };
                 reported.insert(key.as_bytes(), encode(&latest))?;
                 outbox.insert(&seq.to_be_bytes(), entry.clone())?;

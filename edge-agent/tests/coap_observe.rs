@@ -29,6 +29,8 @@ fn thermostat(generation: i64, setpoint: f64) -> DesiredDevice {
         properties: BTreeMap::from([("setpoint".to_owned(), PropertyValue::Float(setpoint))]),
         firmware: None,
         health_check: None,
+        site_rollback: None,
+        rolled_back_at_edge: None,
     }
 }
 

@@ -22,6 +22,8 @@ fn thermostat(uid: &str, generation: i64, setpoint: f64) -> DesiredDevice {
         properties: BTreeMap::from([("setpoint".to_owned(), PropertyValue::Float(setpoint))]),
         firmware: None,
         health_check: None,
+        site_rollback: None,
+        rolled_back_at_edge: None,
     }
 }
 
@@ -1020,4 +1022,141 @@ async fn the_agent_judges_a_rollouts_health_check_on_each_report_and_keeps_the_v
         matches!(p, PendingUplink::Report { latest, .. } if latest.health.as_ref().is_some_and(|h| h.stage == HealthStage::Passed))
     });
     assert!(went_up, "{pending:?}");
+}
+
+#[tokio::test]
+async fn a_site_past_its_threshold_is_rolled_back_by_the_agent_and_its_reports_say_so() {
+    use edgefleet_agent::site_rollback::judge_and_roll_back;
+    use edgefleet_shared::api::device::FirmwareSpec;
+    use edgefleet_shared::codec::{FirmwareFailure, FirmwareOrder};
+    use edgefleet_shared::rollout_member::Previous;
+    use edgefleet_shared::site_rollback::SiteRollback;
+    let tmp = tempfile::tempdir().unwrap();
+    let store = open(&tmp.path().join("store"));
+    // Generation 5 of each device is a rollout's: firmware 2.0.0 and a
+    // setpoint of 19.5 over 1.0.0 and 21.0.
+    let updated = |uid: &str| {
+        let mut d = thermostat(uid, 5, 19.5);
+        d.firmware = Some(FirmwareOrder {
+            version: "2.0.0".into(),
+            url: None,
+            sha256: None,
+        });
+        d.site_rollback = Some(SiteRollback {
+            rollout: "fw-2".into(),
+            rollout_uid: "r-1".into(),
+            percent: 50,
+            min_sample: 2,
+            classes: Vec::new(),
+            whole_site: true,
+            previous: Previous {
+                firmware_changed: true,
+                firmware: Some(FirmwareSpec {
+                    version: "1.0.0".into(),
+                    url: None,
+                    sha256: None,
+                }),
+                properties: BTreeMap::from([(
+                    "setpoint".to_owned(),
+                    Some(PropertyValue::Float(21.0)),
+                )]),
+            },
+        });
+        d
+    };
+    let keys: Vec<ResourceKey> = ["a", "b", "c"]
+        .iter()
+        .map(|n| ResourceKey::device("plant", *n))
+        .collect();
+    let devices: Vec<(ResourceKey, DesiredDevice)> = keys
+        .iter()
+        .map(|k| (k.clone(), updated(&format!("u-{k}"))))
+        .collect();
+    store.apply(&devices, &[]).await.unwrap();
+    let failed = |at: i64| {
+        let mut r = report(5, 20.0);
+        r.firmware_failure = Some(FirmwareFailure {
+            version: "2.0.0".into(),
+            reason: "checksum".into(),
+        });
+        store.record_report(&keys[0], r, at)
+    };
+    failed(1_000).await.unwrap();
+    assert_eq!(
+        judge_and_roll_back(&store).await.unwrap(),
+        0,
+        "one finished is below the minimum sample"
+    );
+    let mut ok = report(5, 20.0);
+    ok.firmware_version = Some("2.0.0".into());
+    store.record_report(&keys[1], ok, 1_100).await.unwrap();
+    assert_eq!(
+        judge_and_roll_back(&store).await.unwrap(),
+        3,
+        "1 of 2 failed: 50%, the whole site goes back"
+    );
+    assert_eq!(judge_and_roll_back(&store).await.unwrap(), 0, "once");
+    for key in &keys {
+        let held = store.desired(key).unwrap().unwrap();
+        assert_eq!(held.version.generation, 5, "the held version stays");
+        let told = held.to_wire();
+        assert_eq!(told.generation, 4);
+        assert_eq!(told.firmware.unwrap().version, "1.0.0");
+        assert_eq!(
+            told.properties["setpoint"],
+            PropertyValue::Float(21.0),
+            "{key}"
+        );
+    }
+    // The reports go up again carrying what was done; a device that never
+    // reported gets it with its first report.
+    let marked: Vec<String> = store
+        .pending_uplink(0, 10)
+        .unwrap()
+        .into_iter()
+        .filter_map(|(_, p)| match p {
+            PendingUplink::Report { device, latest } => {
+                let mark = latest.edge_rollback?;
+                assert_eq!((mark.rollout.as_str(), mark.generation), ("fw-2", 5));
+                assert!(mark.message.contains("1 of 2"), "{}", mark.message);
+                Some(device.to_string())
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(marked, vec![keys[0].to_string(), keys[1].to_string()]);
+    store
+        .record_report(&keys[2], report(4, 20.0), 1_200)
+        .await
+        .unwrap();
+    assert!(
+        store
+            .latest_report(&keys[2])
+            .unwrap()
+            .unwrap()
+            .edge_rollback
+            .is_some()
+    );
+    // A reopened store keeps it; the cloud's next generation ends it.
+    drop(store);
+    let store = open(&tmp.path().join("store"));
+    assert_eq!(
+        store
+            .desired(&keys[0])
+            .unwrap()
+            .unwrap()
+            .to_wire()
+            .generation,
+        4
+    );
+    let mut back = thermostat("u-device/plant/a", 6, 21.0);
+    back.firmware = Some(FirmwareOrder {
+        version: "1.0.0".into(),
+        url: None,
+        sha256: None,
+    });
+    store.apply(&[(keys[0].clone(), back)], &[]).await.unwrap();
+    let held = store.desired(&keys[0]).unwrap().unwrap();
+    assert!(held.rolled_back_at_edge.is_none());
+    assert_eq!(held.to_wire().generation, 6);
 }

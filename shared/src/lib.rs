@@ -26,6 +26,7 @@ pub mod proto;
 pub mod rollout_member;
 pub mod rollout_plan;
 pub mod rollout_step;
+pub mod site_rollback;
 pub mod telemetry;
 pub mod topics;
 pub mod version;

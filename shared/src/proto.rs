@@ -152,3 +152,164 @@ mod tests {
         assert_eq!(back, hello);
     }
 }
+
+mod site {
+    //! Conversions of a site's part in a rollout.
+    use std::collections::BTreeMap;
+
+    use super::{EdgeRollback, Firmware, SiteRollback};
+    use crate::api::device::FirmwareSpec;
+    use crate::api::rollout::FailureClass;
+    use crate::rollout_member::Previous;
+    use crate::site_rollback as pure;
+
+    fn class_name(c: FailureClass) -> &'static str {
+        match c {
+            FailureClass::InstallFailed => "InstallFailed",
+            FailureClass::HealthFailed => "HealthFailed",
+            FailureClass::TimedOut => "TimedOut",
+        }
+    }
+
+    fn class_of(name: &str) -> Result<FailureClass, String> {
+        [
+            FailureClass::InstallFailed,
+            FailureClass::HealthFailed,
+            FailureClass::TimedOut,
+        ]
+        .into_iter()
+        .find(|c| class_name(*c) == name)
+        .ok_or_else(|| format!("unknown failure class {name:?}"))
+    }
+
+    impl From<&pure::SiteRollback> for SiteRollback {
+        fn from(s: &pure::SiteRollback) -> Self {
+            let previous = &s.previous;
+            SiteRollback {
+                rollout: s.rollout.clone(),
+                rollout_uid: s.rollout_uid.clone(),
+                percent: u32::from(s.percent),
+                min_sample: s.min_sample,
+                classes: s.classes.iter().map(|c| class_name(*c).into()).collect(),
+                whole_site: s.whole_site,
+                firmware_changed: previous.firmware_changed,
+                previous_firmware: previous.firmware.as_ref().map(|f| Firmware {
+                    version: f.version.clone(),
+                    url: f.url.clone().unwrap_or_default(),
+                    sha256: f.sha256.clone().unwrap_or_default(),
+                }),
+                previous_properties: previous
+                    .properties
+                    .iter()
+                    .filter_map(|(k, v)| Some((k.clone(), v.as_ref()?.into())))
+                    .collect(),
+                previous_unset: previous
+                    .properties
+                    .iter()
+                    .filter(|(_, v)| v.is_none())
+                    .map(|(k, _)| k.clone())
+                    .collect(),
+            }
+        }
+    }
+
+    impl TryFrom<&SiteRollback> for pure::SiteRollback {
+        type Error = String;
+
+        fn try_from(s: &SiteRollback) -> Result<Self, String> {
+            let percent = u8::try_from(s.percent)
+                .ok()
+                .filter(|p| *p <= 100)
+                .ok_or_else(|| format!("site rollback percent {} is over 100", s.percent))?;
+            let mut properties = BTreeMap::new();
+            for (name, value) in &s.previous_properties {
+                let value = crate::PropertyValue::try_from(value).map_err(|e| e.to_string())?;
+                properties.insert(name.clone(), Some(value));
+            }
+            for name in &s.previous_unset {
+                properties.insert(name.clone(), None);
+            }
+            Ok(pure::SiteRollback {
+                rollout: s.rollout.clone(),
+                rollout_uid: s.rollout_uid.clone(),
+                percent,
+                min_sample: s.min_sample,
+                classes: s
+                    .classes
+                    .iter()
+                    .map(|c| class_of(c))
+                    .collect::<Result<_, _>>()?,
+                whole_site: s.whole_site,
+                previous: Previous {
+                    firmware_changed: s.firmware_changed,
+                    firmware: s.previous_firmware.as_ref().map(|f| FirmwareSpec {
+                        version: f.version.clone(),
+                        url: (!f.url.is_empty()).then(|| f.url.clone()),
+                        sha256: (!f.sha256.is_empty()).then(|| f.sha256.clone()),
+                    }),
+                    properties,
+                },
+            })
+        }
+    }
+
+    impl From<&pure::EdgeRollback> for EdgeRollback {
+        fn from(r: &pure::EdgeRollback) -> Self {
+            EdgeRollback {
+                rollout: r.rollout.clone(),
+                generation: r.generation,
+                at_ms: r.at_ms,
+                message: r.message.clone(),
+            }
+        }
+    }
+
+    impl From<EdgeRollback> for pure::EdgeRollback {
+        fn from(r: EdgeRollback) -> Self {
+            pure::EdgeRollback {
+                rollout: r.rollout,
+                generation: r.generation,
+                at_ms: r.at_ms,
+                message: r.message,
+            }
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+        use crate::PropertyValue;
+
+        #[test]
+        fn a_site_rollback_survives_the_wire() {
+            let plan = pure::SiteRollback {
+                rollout: "fw-2".into(),
+                rollout_uid: "u-1".into(),
+                percent: 40,
+                min_sample: 3,
+                classes: vec![FailureClass::HealthFailed, FailureClass::TimedOut],
+                whole_site: true,
+                previous: Previous {
+                    firmware_changed: true,
+                    firmware: Some(FirmwareSpec {
+                        version: "1.0.0".into(),
+                        url: Some("https://fw/1".into()),
+                        sha256: None,
+                    }),
+                    properties: BTreeMap::from([
+                        ("setpoint".to_owned(), Some(PropertyValue::Float(21.0))),
+                        ("mode".to_owned(), None),
+                    ]),
+                },
+            };
+            let wire = SiteRollback::from(&plan);
+            assert_eq!(pure::SiteRollback::try_from(&wire).unwrap(), plan);
+            let mut bad = wire.clone();
+            bad.percent = 101;
+            assert!(pure::SiteRollback::try_from(&bad).is_err());
+            let mut bad = wire;
+            bad.classes.push("Cosmic".into());
+            assert!(pure::SiteRollback::try_from(&bad).is_err());
+        }
+    }
+}

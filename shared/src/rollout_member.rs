@@ -16,9 +16,12 @@ use serde_json::{Value, json};
 
 use crate::PropertyValue;
 use crate::api::device::{Device, DeviceSpec, FirmwareSpec, condition};
-use crate::api::rollout::{FailureClass, FleetRollout, RolloutTarget};
+use crate::api::rollout::{
+    FailureAction, FailureClass, FleetRollout, RollbackScope, RolloutTarget, ThresholdScope,
+};
 use crate::health_check::HealthCheck;
 use crate::rollout_plan::MemberState;
+use crate::site_rollback::SiteRollback;
 
 /// The annotation of a Device that a rollout changed: a [`Record`] as JSON.
 pub const RECORD_ANNOTATION: &str = "edgefleet.io/rollout";
@@ -44,11 +47,53 @@ pub struct Record {
     /// What the device's agent checks after the change.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub health: Option<HealthCheck>,
+    /// The rollout's per-site failure threshold, if it rolls back on it:
+    /// the device's agent judges its site by it while the cloud is away.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub site: Option<SiteThreshold>,
     /// What the change replaced.
     pub previous: Previous,
     /// The change was undone.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub rolled_back: bool,
+}
+
+/// A rollout's per-site failure threshold, as its records carry it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SiteThreshold {
+    /// See [`crate::api::rollout::FailureThreshold::percent`].
+    pub percent: u8,
+    /// See [`crate::api::rollout::FailureThreshold::min_sample`].
+    pub min_sample: u32,
+    /// See [`crate::api::rollout::FailureThreshold::classes`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub classes: Vec<FailureClass>,
+    /// The rollback takes every device the rollout changed, not only the
+    /// failed ones.
+    #[serde(default)]
+    pub whole_site: bool,
+}
+
+impl SiteThreshold {
+    /// The first per-site threshold of `rollout`, if crossing it rolls
+    /// back.
+    pub fn of(rollout: &FleetRollout) -> Option<SiteThreshold> {
+        let policy = &rollout.spec.failure_policy;
+        if policy.action != FailureAction::Rollback {
+            return None;
+        }
+        let t = policy
+            .thresholds
+            .iter()
+            .find(|t| t.scope == ThresholdScope::Site)?;
+        Some(SiteThreshold {
+            percent: t.percent,
+            min_sample: t.min_sample,
+            classes: t.classes.clone(),
+            whole_site: policy.rollback_scope != RollbackScope::Failed,
+        })
+    }
 }
 
 /// The part of a Device's spec a rollout replaced.
@@ -103,6 +148,41 @@ pub fn health_check(device: &Device) -> Option<HealthCheck> {
         return None;
     }
     record.health
+}
+
+/// What `device`'s agent is to put back on its own if its site crosses
+/// the rollout's failure threshold while the cloud is away: for the
+/// generation a rollout with a per-site rollback made, unless it was
+/// changed back.
+pub fn site_rollback(device: &Device) -> Option<SiteRollback> {
+    let record = record(device)?.ok()?;
+    let current = record.generation.is_some() && record.generation == device.metadata.generation;
+    if !current || record.rolled_back {
+        return None;
+    }
+    let site = record.site?;
+    Some(SiteRollback {
+        rollout: record.rollout,
+        rollout_uid: record.uid,
+        percent: site.percent,
+        min_sample: site.min_sample,
+        classes: site.classes,
+        whole_site: site.whole_site,
+        previous: record.previous,
+    })
+}
+
+/// Whether `device`'s agent rolled back the generation `record` made, on
+/// its own (the Device's `RolledBack` condition of that generation).
+fn rolled_back_at_edge(device: &Device, record: &Record) -> bool {
+    device.status.as_ref().is_some_and(|s| {
+        s.conditions.iter().any(|c| {
+            c.type_ == condition::ROLLED_BACK
+                && c.status == "True"
+                && record.generation.is_some()
+                && c.observed_generation == record.generation
+        })
+    })
 }
 
 /// Whether `spec` carries the target.
@@ -161,6 +241,7 @@ pub fn change(device: &Device, rollout: &FleetRollout, now_ms: i64) -> Option<Va
             expression: h.expression.clone(),
             bake_seconds: h.bake_seconds,
         }),
+        site: SiteThreshold::of(rollout),
         previous,
         rolled_back: false,
     };
@@ -213,7 +294,9 @@ fn firmware_patch(firmware: Option<&FirmwareSpec>) -> Value {
 /// once if it runs the target already; one another rollout changed is
 /// `Pending` for this one.
 ///
-/// After a change: `Failed` (install failed) once the device says its
+/// After a change: `RolledBack` once it was changed back (by the
+/// controller, or by its agent on its own: see [`crate::site_rollback`]);
+/// `Failed` (install failed) once the device says its
 /// update failed; `Failed` (timed out) if it has not reported the target
 /// within the time-out; `Updating` until then. Once it reports the target:
 /// `Succeeded` without a health gate; with one, what its agent's check says
@@ -239,7 +322,7 @@ pub fn state(
         };
         return (state, None);
     };
-    if record.rolled_back {
+    if record.rolled_back || rolled_back_at_edge(device, &record) {
         return (MemberState::RolledBack, None);
     }
     let generation = device.metadata.generation.unwrap_or(0);

@@ -155,8 +155,20 @@ pub fn step(spec: &FleetRolloutSpec, members: &[MemberInput]) -> Step {
             .iter()
             .zip(&view)
             .any(|(m, v)| v.state == MemberState::RolledBack && !m.settled);
+        let at_edge = members
+            .iter()
+            .zip(&view)
+            .filter(|(m, v)| m.changed && v.state == MemberState::RolledBack)
+            .count();
         let why = if spec.abort {
             ("Aborted", "aborted by spec.abort".to_owned())
+        } else if at_edge > 0 {
+            (
+                "RolledBackAtEdge",
+                format!(
+                    "the agents of a site that crossed its failure threshold while the cloud was unreachable rolled back {at_edge} devices on their own (see the Devices' RolledBack condition)"
+                ),
+            )
         } else {
             match &step.breach {
                 Some(b) => ("FailureThreshold", b.to_string()),
@@ -337,10 +349,7 @@ fn judge(
                 let (outcome, failed) = counts(i);
                 (s + u32::from(outcome), f + u32::from(failed))
             });
-            if sample >= t.min_sample
-                && failed > 0
-                && u64::from(failed) * 100 >= u64::from(t.percent) * u64::from(sample)
-            {
+            if crossed(failed, sample, t.percent, t.min_sample) {
                 return Some(Breach {
                     scope,
                     failed,
@@ -351,6 +360,15 @@ fn judge(
         }
     }
     None
+}
+
+/// Whether `failed` of `sample` finished devices cross a threshold of
+/// `percent` with `min_sample`: at least that share failed, and the sample
+/// is large enough to judge.
+pub fn crossed(failed: u32, sample: u32, percent: u8, min_sample: u32) -> bool {
+    sample >= min_sample
+        && failed > 0
+        && u64::from(failed) * 100 >= u64::from(percent) * u64::from(sample)
 }
 
 /// The members to change back: of those this rollout changed, the failed
@@ -374,7 +392,11 @@ fn roll_back_set(
     (0..view.len())
         .filter(|&i| members[i].changed)
         .filter(|&i| match scope {
-            RollbackScope::Failed => view[i].state == MemberState::Failed,
+            // Changed and rolled back: its agent rolled it back on its own
+            // (the Device's spec follows).
+            RollbackScope::Failed => {
+                matches!(view[i].state, MemberState::Failed | MemberState::RolledBack)
+            }
             RollbackScope::Wave => waves.contains(&plan.stage[i]),
             RollbackScope::All => true,
         })
@@ -576,6 +598,27 @@ mod tests {
         );
         set(&mut ms[1], MemberState::Succeeded, None);
         assert_eq!(step(&s, &ms).breach, None);
+    }
+
+    #[test]
+    fn devices_their_agent_rolled_back_are_changed_back_and_stop_the_rollout() {
+        let mut s = spec();
+        s.failure_policy.action = FailureAction::Rollback;
+        let mut ms = pending(8);
+        set(&mut ms[0], MemberState::Succeeded, None);
+        set(&mut ms[1], MemberState::Succeeded, None);
+        // The agent of site s1 rolled member 1 back while the cloud was
+        // away: its record still says changed.
+        ms[1].state = MemberState::RolledBack;
+        let step = step(&s, &ms);
+        assert_eq!(step.phase, RolloutPhase::RollingBack);
+        assert_eq!(
+            step.roll_back,
+            [1],
+            "scope Failed takes it, its spec follows"
+        );
+        assert!(step.start.is_empty());
+        assert_eq!(condition(&step, "RolledBack"), (true, "RolledBackAtEdge"));
     }
 
     #[test]

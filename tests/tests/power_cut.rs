@@ -517,6 +517,8 @@ async fn no_acknowledged_report_or_event_is_lost_when_the_power_is_cut() {
                     properties: BTreeMap::new(),
                     firmware: None,
                     health_check: None,
+                    site_rollback: None,
+                    rolled_back_at_edge: None,
                 };
                 (key(i), device)
             })

@@ -564,6 +564,10 @@ impl Session {
                 })
             }
         };
+        let edge_rollback = report.edge_rollback.map(|mut r| {
+            r.message = r.message.chars().take(MAX_HEALTH_MESSAGE).collect();
+            edgefleet_shared::site_rollback::EdgeRollback::from(r)
+        });
         Ok(Accepted::Status(
             key,
             StatusChange::Reported {
@@ -574,6 +578,7 @@ impl Session {
                     .then_some(report.firmware_version),
                 firmware_failure,
                 health,
+                edge_rollback,
                 received_at_ms: report.received_at_ms,
                 origin: (!self.store_id.is_empty()).then(|| ReportOrigin {
                     store: self.store_id.clone(),

@@ -221,6 +221,11 @@ fn desired_device(resource: &proto::Resource) -> Result<(ResourceKey, DesiredDev
         }
         None => None,
     };
+    let site_rollback = device
+        .site_rollback
+        .as_ref()
+        .map(edgefleet_shared::site_rollback::SiteRollback::try_from)
+        .transpose()?;
     Ok((
         key,
         DesiredDevice {
@@ -230,6 +235,8 @@ fn desired_device(resource: &proto::Resource) -> Result<(ResourceKey, DesiredDev
             properties,
             firmware,
             health_check,
+            site_rollback,
+            rolled_back_at_edge: None,
         },
     ))
 }
@@ -297,6 +304,7 @@ pub fn uplink_body(pending: PendingUplink) -> uplink_entry::Body {
                 since_ms: h.since_ms,
                 message: h.message,
             }),
+            edge_rollback: latest.edge_rollback.as_ref().map(proto::EdgeRollback::from),
             firmware_version: latest.report.firmware_version.unwrap_or_default(),
             received_at_ms: latest.received_at_ms,
             device_uid: latest.uid,
@@ -421,6 +429,7 @@ mod tests {
                 firmware_failure: None,
             },
             health: None,
+            edge_rollback: None,
         };
         let device = ResourceKey::device("plant", "a");
         (seq, PendingUplink::Report { device, latest })

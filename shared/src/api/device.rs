@@ -239,4 +239,11 @@ pub mod condition {
     pub const HEALTH_CHECK_INCONCLUSIVE: &str = "HealthCheckInconclusive";
     /// Healthy so far, within the bake time.
     pub const BAKING: &str = "Baking";
+    /// The device's agent put back what a rollout's generation replaced, on
+    /// its own, while the cloud was unreachable (its `observedGeneration`
+    /// is the generation rolled back).
+    pub const ROLLED_BACK: &str = "RolledBack";
+    /// `RolledBack` reason: the site crossed the rollout's failure
+    /// threshold while offline.
+    pub const SITE_THRESHOLD_CROSSED: &str = "SiteThresholdCrossed";
 }

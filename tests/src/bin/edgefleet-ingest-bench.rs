@@ -248,6 +248,8 @@ async fn seed_store(
                     properties: BTreeMap::new(),
                     firmware: None,
                     health_check: None,
+                    site_rollback: None,
+                    rolled_back_at_edge: None,
                 },
             )
         })

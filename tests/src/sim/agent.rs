@@ -246,6 +246,7 @@ impl Agent {
             uid: version.uid,
             report,
             health: None,
+            edge_rollback: None,
         };
         self.current.latest.insert(key.clone(), latest);
         self.current.reports.insert(seq, key.clone());
