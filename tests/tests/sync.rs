@@ -983,6 +983,7 @@ fn report_about(
         firmware_version: String::new(),
         firmware_failure: None,
         health: None,
+        edge_rollback: None,
         received_at_ms: 1_700_000_000_000,
     };
     proto::agent_message::Kind::Uplink(proto::Uplink {
