@@ -781,6 +781,164 @@ async fn a_site_cut_off_mid_rollout_is_unreachable_not_failed_and_finishes_when_
     sites.stack.shutdown();
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_site_cut_off_past_its_failure_threshold_is_rolled_back_by_its_agent_and_the_cloud_learns_at_resync()
+ {
+    let logs = tempfile::tempdir().unwrap();
+    let applied_log = logs.path().join("applied.jsonl");
+    // Installs slow enough that the site is cut off before any device
+    // reports the new firmware: only its agent sees the failures.
+    let sites = Sites::start(
+        "fro-edge",
+        1,
+        4,
+        &[
+            "--bad-firmware=2.0.0",
+            "--install-time=4s..5s",
+            &format!("--applied-log={}", applied_log.display()),
+        ],
+    )
+    .await;
+    let (_, recorder) = sites
+        .roll_out_cutting(
+            "fw-2",
+            json!({
+                "target": firmware_target("2.0.0"),
+                "selector": {},
+                "strategy": {
+                    "canary": 0,
+                    "maxUnavailable": 4,
+                    "failureDomain": { "topologyKey": SITE, "maxUnavailable": 4, "canary": 0 },
+                },
+                "health": { "expression": "!('crashes' in reported)", "bakeSeconds": 60 },
+                "failurePolicy": {
+                    "thresholds": [{
+                        "scope": "Site", "percent": 50, "minSample": 2, "classes": ["HealthFailed"],
+                    }],
+                    "action": "Rollback",
+                    "rollbackScope": "All",
+                },
+            }),
+            &["site-0"],
+        )
+        .await;
+    // Every device's update is stored at the edge; then the site goes dark.
+    let generations: BTreeMap<String, i64> =
+        eventually("the agent holds every device's update", || async {
+            let list = sites.devices.list(&Default::default()).await.ok()?;
+            let held = list.items.iter().all(|d| {
+                let generation = d.metadata.generation;
+                let ours = matches!(edgefleet_shared::rollout_member::record(d),
+                    Some(Ok(r)) if r.generation == generation);
+                ours && d.status.as_ref().and_then(|s| s.delivered_generation) == generation
+            });
+            held.then(|| {
+                list.items
+                    .iter()
+                    .map(|d| (d.name_any(), d.metadata.generation.unwrap()))
+                    .collect()
+            })
+        })
+        .await;
+    let agent = &sites.stack.agents[0];
+    agent.proxy.as_ref().unwrap().cut();
+
+    // Offline, the agent sees the health checks fail and rolls the site
+    // back: each device applies the generation before the rollout's.
+    eventually_within(
+        Duration::from_secs(60),
+        "the agent rolled back all four",
+        || async {
+            let (_, body) = edgefleet_tests::process::http_get(agent.metrics, "/metrics")
+                .await
+                .ok()?;
+            let n = edgefleet_tests::process::metric(&body, "edgefleet_agent_site_rollbacks_total");
+            (n == 4.0).then_some(())
+        },
+    )
+    .await;
+    eventually(
+        "every device applied the generation before the rollout's",
+        || async {
+            let log = std::fs::read_to_string(&applied_log).ok()?;
+            let entries: Vec<(String, i64)> = log
+                .lines()
+                .filter_map(|l| {
+                    let v: Value = serde_json::from_str(l).ok()?;
+                    let device = v["device"].as_str()?.rsplit('/').next()?.to_owned();
+                    Some((device, v["generation"].as_i64()?))
+                })
+                .collect();
+            generations
+                .iter()
+                .all(|(name, g)| {
+                    let new = entries.iter().position(|e| e == &(name.clone(), *g));
+                    let back = entries.iter().rposition(|e| e == &(name.clone(), g - 1));
+                    matches!((new, back), (Some(n), Some(b)) if b > n)
+                })
+                .then_some(())
+        },
+    )
+    .await;
+    // The cloud cannot know yet.
+    let r = sites.rollouts.get("fw-2").await.unwrap();
+    assert_ne!(
+        r.status.as_ref().and_then(|s| s.phase),
+        Some(RolloutPhase::RolledBack),
+        "{:?}",
+        r.status
+    );
+    for d in sites.devices.list(&Default::default()).await.unwrap() {
+        assert_eq!(
+            d.spec.firmware.as_ref().map(|f| f.version.as_str()),
+            Some("2.0.0")
+        );
+    }
+
+    // Back online: the cloud learns what the agent did and follows.
+    agent.proxy.as_ref().unwrap().heal();
+    let done = sites
+        .wait_for_phase("fw-2", RolloutPhase::RolledBack, Duration::from_secs(60))
+        .await;
+    let (_, reason, message) = condition(&done, "RolledBack");
+    assert_eq!(reason, "RolledBackAtEdge", "{message}");
+    for (name, g) in &generations {
+        let d = sites.devices.get(name).await.unwrap();
+        let c = d
+            .status
+            .as_ref()
+            .and_then(|s| {
+                s.conditions
+                    .iter()
+                    .find(|c| c.type_ == condition::ROLLED_BACK)
+            })
+            .unwrap_or_else(|| panic!("{name} has no RolledBack condition: {:?}", d.status));
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str(), c.observed_generation),
+            ("True", condition::SITE_THRESHOLD_CROSSED, Some(*g)),
+            "{name}"
+        );
+        assert!(
+            c.message.contains("while the cloud was unreachable"),
+            "{}",
+            c.message
+        );
+    }
+    all_back_on_factory_firmware(&sites.devices).await;
+    let counts = sites
+        .rollouts
+        .get("fw-2")
+        .await
+        .unwrap()
+        .status
+        .unwrap()
+        .counts;
+    assert_eq!(counts.rolled_back, 4, "{counts:?}");
+    let timeline = recorder.finish();
+    assert_limits(&timeline, 4, 4);
+    sites.stack.shutdown();
+}
+
 fn condition_opt<'a>(
     rollout: &'a FleetRollout,
     type_: &str,
