@@ -939,6 +939,69 @@ async fn a_site_cut_off_past_its_failure_threshold_is_rolled_back_by_its_agent_a
     sites.stack.shutdown();
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_refusing_one_devices_update_does_not_hold_back_the_others() {
+    let sites = Sites::start("fro-refuse", 2, 6, &[]).await;
+    // One device already carries a long desired property: with the
+    // rollout's note its desired state no longer fits a device message
+    // (1024 bytes), and its agent refuses it.
+    let crowded = sites.site_of.keys().next().unwrap().clone();
+    let label = json!({ "spec": { "desired": { "label": "l".repeat(500) } } });
+    let d = sites
+        .devices
+        .patch(&crowded, &PatchParams::default(), &Patch::Merge(&label))
+        .await
+        .unwrap();
+    let generation = d.metadata.generation;
+    eventually("the crowded device applied its label", || async {
+        let d = sites.devices.get(&crowded).await.ok()?;
+        (d.status?.applied_generation == generation).then_some(())
+    })
+    .await;
+    let mut target = firmware_target("2.0.0");
+    target["properties"] = json!({ "note": "n".repeat(600) });
+    let (_, recorder) = sites
+        .roll_out(
+            "fw-2",
+            json!({
+                "target": target,
+                "selector": {},
+                "strategy": { "canary": 1, "maxUnavailable": 2 },
+            }),
+        )
+        .await;
+    let done = sites
+        .wait_for_phase("fw-2", RolloutPhase::Complete, Duration::from_secs(90))
+        .await;
+    let counts = done.status.as_ref().unwrap().counts.clone();
+    assert_eq!((counts.succeeded, counts.failed), (5, 1), "{counts:?}");
+    let timeline = recorder.finish();
+    assert_limits(&timeline, 2, 2);
+    assert_eq!(timeline.failed, vec![crowded.clone()]);
+    // The refusal is on the Device, which keeps what it ran.
+    let d = sites.devices.get(&crowded).await.unwrap();
+    let status = d.status.as_ref().unwrap();
+    let refused = status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == condition::UPDATE_FAILED && c.status == "True")
+        .unwrap_or_else(|| panic!("no UpdateFailed: {status:?}"));
+    assert_eq!(refused.reason, "RejectedByAgent", "{refused:?}");
+    assert!(
+        refused.message.contains("cannot be sent to the device"),
+        "{}",
+        refused.message
+    );
+    assert_eq!(status.firmware_version.as_deref(), Some(FACTORY));
+    let firmware = sites.firmware().await;
+    let updated = firmware
+        .iter()
+        .filter(|(name, v)| **name != crowded && v.as_deref() == Some("2.0.0"))
+        .count();
+    assert_eq!(updated, 5, "{firmware:?}");
+    sites.stack.shutdown();
+}
+
 fn condition_opt<'a>(
     rollout: &'a FleetRollout,
     type_: &str,

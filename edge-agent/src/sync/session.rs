@@ -226,19 +226,21 @@ fn desired_device(resource: &proto::Resource) -> Result<(ResourceKey, DesiredDev
         .as_ref()
         .map(edgefleet_shared::site_rollback::SiteRollback::try_from)
         .transpose()?;
-    Ok((
-        key,
-        DesiredDevice {
-            version: version.into(),
-            model: device.model.clone(),
-            transport,
-            properties,
-            firmware,
-            health_check,
-            site_rollback,
-            rolled_back_at_edge: None,
-        },
-    ))
+    let desired = DesiredDevice {
+        version: version.into(),
+        model: device.model.clone(),
+        transport,
+        properties,
+        firmware,
+        health_check,
+        site_rollback,
+        rolled_back_at_edge: None,
+    };
+    // What the device cannot be sent is refused now, so the Device shows
+    // it, not kept to fail at every delivery.
+    edgefleet_shared::codec::encode(&desired.to_wire())
+        .map_err(|e| format!("the desired state cannot be sent to the device: {e}"))?;
+    Ok((key, desired))
 }
 
 /// The uplink entries of one flow sent in this session and not yet
@@ -381,6 +383,21 @@ mod tests {
         assert_eq!(nack.nonce, "7");
         assert_eq!(nack.rejected.len(), 1);
         assert_eq!(nack.rejected[0].key, "device/plant/bad");
+    }
+
+    #[test]
+    fn a_desired_state_too_large_for_a_device_message_is_refused() {
+        let mut big = resource("big", proto::Transport::Coap);
+        if let Some(resource::Body::Device(d)) = &mut big.body {
+            d.properties.insert(
+                "label".into(),
+                (&PropertyValue::String("x".repeat(edgefleet_shared::codec::MAX_MESSAGE_BYTES)))
+                    .into(),
+            );
+        }
+        let reason = desired_device(&big).unwrap_err();
+        assert!(reason.contains("cannot be sent to the device"), "{reason}");
+        assert!(desired_device(&resource("small", proto::Transport::Coap)).is_ok());
     }
 
     #[test]
