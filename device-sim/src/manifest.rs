@@ -9,6 +9,11 @@ use edgefleet_shared::api::{Device, DeviceSpec};
 
 use crate::fleet::DeviceSlot;
 
+/// The label every simulated Device carries (value `"true"`), so a
+/// selector (`kubectl get dev -l edgefleet.io/simulated`, a rollout's)
+/// can pick the simulated fleet.
+pub const SIMULATED_LABEL: &str = "edgefleet.io/simulated";
+
 /// The Device resource for one slot, with its model's default desired state.
 pub fn device(namespace: &str, slot: &DeviceSlot) -> Device {
     let mut device = Device::new(
@@ -22,6 +27,7 @@ pub fn device(namespace: &str, slot: &DeviceSlot) -> Device {
         },
     );
     device.metadata.namespace = Some(namespace.to_owned());
+    device.metadata.labels = Some([(SIMULATED_LABEL.to_owned(), "true".to_owned())].into());
     device
 }
 
@@ -69,7 +75,11 @@ mod tests {
             json!({
                 "apiVersion": "edgefleet.io/v1alpha1",
                 "kind": "Device",
-                "metadata": {"name": "dev-00000", "namespace": "plant"},
+                "metadata": {
+                    "name": "dev-00000",
+                    "namespace": "plant",
+                    "labels": {"edgefleet.io/simulated": "true"},
+                },
                 "spec": {
                     "node": "edge-1",
                     "model": "thermostat",

@@ -1,10 +1,12 @@
 //! The live fleet view of `edgefleet-up`: per edge node, how many Devices
-//! there are and how far each got (delivered, applied, online).
+//! there are and how far each got (delivered, applied, online); and per
+//! FleetRollout, its phase and its devices by state, overall and per site.
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
 
 use edgefleet_shared::api::device::condition;
+use edgefleet_shared::api::rollout::{FleetRollout, StateCounts};
 use edgefleet_shared::api::{Device, EdgeNode};
 
 /// One node's line.
@@ -83,6 +85,55 @@ pub fn render(rows: &BTreeMap<String, NodeRow>) -> String {
     out
 }
 
+/// The rollouts as a table: one line per rollout, then one per site.
+pub fn render_rollouts(rollouts: &[FleetRollout]) -> String {
+    let mut out = format!(
+        "{:<20} {:<12} {:<10} {:<10} {:>6} {:>7} {:>8} {:>6} {:>5} {:>6} {:>10} {:>11}\n",
+        "ROLLOUT",
+        "PHASE",
+        "WAVE",
+        "SITE",
+        "TOTAL",
+        "PENDING",
+        "UPDATING",
+        "BAKING",
+        "DONE",
+        "FAILED",
+        "ROLLEDBACK",
+        "UNREACHABLE"
+    );
+    let line = |out: &mut String,
+                name: &str,
+                phase: &str,
+                wave: &str,
+                site: &str,
+                c: &StateCounts| {
+        let _ = writeln!(
+            out,
+            "{name:<20} {phase:<12} {wave:<10} {site:<10} {:>6} {:>7} {:>8} {:>6} {:>5} {:>6} {:>10} {:>11}",
+            c.total,
+            c.pending,
+            c.updating,
+            c.baking,
+            c.succeeded,
+            c.failed,
+            c.rolled_back,
+            c.unreachable
+        );
+    };
+    for rollout in rollouts {
+        let name = rollout.metadata.name.as_deref().unwrap_or_default();
+        let status = rollout.status.clone().unwrap_or_default();
+        let phase = status.phase.map(|p| format!("{p:?}")).unwrap_or_default();
+        let wave = status.wave.clone().unwrap_or_default();
+        line(&mut out, name, &phase, &wave, "(all)", &status.counts);
+        for site in &status.sites {
+            line(&mut out, "", "", "", &site.name, &site.counts);
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use edgefleet_shared::api::{
@@ -149,6 +200,44 @@ mod tests {
             }
         );
         assert_eq!(rows["edge-2"].connected, None);
+        let mut rollout: FleetRollout = serde_json::from_value(serde_json::json!({
+            "apiVersion": "edgefleet.io/v1alpha1", "kind": "FleetRollout",
+            "metadata": { "name": "fw-2" },
+            "spec": { "target": { "firmware": { "version": "2.0.0" } }, "selector": {} },
+        }))
+        .unwrap();
+        rollout.status = Some(serde_json::from_value(serde_json::json!({
+            "phase": "Progressing", "wave": "canary",
+            "counts": { "total": 30, "pending": 27, "updating": 2, "succeeded": 1 },
+            "sites": [{ "name": "site-1", "counts": { "total": 10, "pending": 9, "updating": 1 } }],
+        }))
+        .unwrap());
+        let table = render_rollouts(&[rollout]);
+        let lines: Vec<Vec<&str>> = table
+            .lines()
+            .map(|l| l.split_whitespace().collect())
+            .collect();
+        assert_eq!(
+            lines[1],
+            [
+                "fw-2",
+                "Progressing",
+                "canary",
+                "(all)",
+                "30",
+                "27",
+                "2",
+                "0",
+                "1",
+                "0",
+                "0",
+                "0"
+            ]
+        );
+        assert_eq!(
+            lines[2],
+            ["site-1", "10", "9", "1", "0", "0", "0", "0", "0"]
+        );
         let table = render(&rows);
         assert!(table.contains("total"), "{table}");
         assert!(

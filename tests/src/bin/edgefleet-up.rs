@@ -2,7 +2,9 @@
 //! Kubernetes control plane (or the cluster `$KUBECONFIG` names), the CRDs,
 //! the cloud controller, three agents with their embedded brokers, the
 //! examples of `deploy/examples/` and ~300 simulated devices — with a live
-//! fleet view until Ctrl-C, then a clean shutdown.
+//! fleet view until Ctrl-C, then a clean shutdown. After a while it rolls
+//! out a new firmware to the simulated devices, site by site (each agent's
+//! node is a site), and the view shows the rollout progress per site.
 
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -10,7 +12,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
+use edgefleet_shared::api::rollout::FleetRollout;
 use edgefleet_shared::api::{Device, EdgeNode};
+use edgefleet_sim::manifest::SIMULATED_LABEL;
 use edgefleet_tests::stack::{FIELD_MANAGER, Stack, StackSpec, ensure_namespace};
 use edgefleet_tests::{control_plane, fleet_view, install_crds};
 use kube::api::{Patch, PatchParams};
@@ -42,6 +46,11 @@ struct Cli {
     /// The cloud's status write budget (writes per second).
     #[arg(long, default_value_t = 50)]
     status_writes_per_second: u32,
+    /// Start a demonstration FleetRollout (firmware 1.1.0 to the simulated
+    /// devices, site by site) this many seconds after the devices start;
+    /// 0: none.
+    #[arg(long, default_value_t = 30)]
+    rollout_after_seconds: u64,
     /// Where logs and agent stores go.
     #[arg(long, default_value = "/tmp/edgefleet-up")]
     dir: PathBuf,
@@ -110,23 +119,41 @@ async fn main() -> anyhow::Result<()> {
         cli.namespace
     );
     println!("  kubectl get edgenodes");
+    if cli.rollout_after_seconds > 0 {
+        println!(
+            "  kubectl get fro -n {}              # the demonstration rollout, from {} s on",
+            cli.namespace, cli.rollout_after_seconds
+        );
+    }
     println!("  kubectl describe device dev-00000 -n {}", cli.namespace);
     println!("Logs: {}/*.log", cli.dir.display());
     println!("Ctrl-C stops everything.");
     println!();
 
-    let result = watch_fleet(&client, &mut stack).await;
+    let rollout = (cli.rollout_after_seconds > 0).then(|| {
+        (
+            tokio::time::Instant::now() + Duration::from_secs(cli.rollout_after_seconds),
+            cli.namespace.clone(),
+        )
+    });
+    let result = watch_fleet(&client, &mut stack, rollout).await;
     say("stopping the simulator, the agents and the controller");
     stack.shutdown();
     say("stopped");
     result
 }
 
-/// Prints the fleet view every 2 s until Ctrl-C or SIGTERM.
-async fn watch_fleet(client: &Client, stack: &mut Stack) -> anyhow::Result<()> {
+/// Prints the fleet view every 2 s until Ctrl-C or SIGTERM; starts the
+/// demonstration rollout at the time given, in the namespace given.
+async fn watch_fleet(
+    client: &Client,
+    stack: &mut Stack,
+    mut rollout: Option<(tokio::time::Instant, String)>,
+) -> anyhow::Result<()> {
     let mut terminate = signal(SignalKind::terminate())?;
     let devices: Api<Device> = Api::all(client.clone());
     let nodes: Api<EdgeNode> = Api::all(client.clone());
+    let rollouts: Api<FleetRollout> = Api::all(client.clone());
     let tty = std::io::stdout().is_terminal();
     let mut ticks = tokio::time::interval(Duration::from_secs(2));
     loop {
@@ -136,14 +163,33 @@ async fn watch_fleet(client: &Client, stack: &mut Stack) -> anyhow::Result<()> {
             _ = ticks.tick() => {}
         }
         stack.check_running()?;
-        let (Ok(devices), Ok(nodes)) = (
+        if let Some((at, namespace)) = &rollout
+            && tokio::time::Instant::now() >= *at
+        {
+            let nodes: Vec<String> = stack.agents.iter().map(|a| a.node.clone()).collect();
+            match start_rollout(client, namespace, &nodes).await {
+                Ok(()) => say(&format!(
+                    "started FleetRollout {DEMO_ROLLOUT} in {namespace}: firmware {DEMO_FIRMWARE}, one device per site first, then at most 10% of a site at a time"
+                )),
+                Err(error) => say(&format!(
+                    "could not start the demonstration rollout: {error:#}"
+                )),
+            }
+            rollout = None;
+        }
+        let (Ok(devices), Ok(nodes), Ok(rollouts)) = (
             devices.list(&Default::default()).await,
             nodes.list(&Default::default()).await,
+            rollouts.list(&Default::default()).await,
         ) else {
             say("the API server did not answer; retrying");
             continue;
         };
-        let table = fleet_view::render(&fleet_view::summarize(&devices.items, &nodes.items));
+        let mut table = fleet_view::render(&fleet_view::summarize(&devices.items, &nodes.items));
+        if !rollouts.items.is_empty() {
+            table.push('\n');
+            table.push_str(&fleet_view::render_rollouts(&rollouts.items));
+        }
         let mut out = std::io::stdout().lock();
         if tty {
             // Redraw in place: cursor up over the previous table.
@@ -153,6 +199,58 @@ async fn watch_fleet(client: &Client, stack: &mut Stack) -> anyhow::Result<()> {
         write!(out, "{table}")?;
         out.flush()?;
     }
+}
+
+/// The demonstration rollout's name and target.
+const DEMO_ROLLOUT: &str = "sim-firmware-1-1";
+const DEMO_FIRMWARE: &str = "1.1.0";
+
+/// Labels each node as a site of its own and starts the demonstration
+/// rollout over the simulated Devices of `namespace`.
+async fn start_rollout(client: &Client, namespace: &str, nodes: &[String]) -> anyhow::Result<()> {
+    let edge_nodes: Api<EdgeNode> = Api::all(client.clone());
+    for (i, node) in nodes.iter().enumerate() {
+        let labels =
+            serde_json::json!({ "metadata": { "labels": { SITE: format!("site-{}", i + 1) } } });
+        edge_nodes
+            .patch(node, &PatchParams::default(), &Patch::Merge(&labels))
+            .await
+            .with_context(|| format!("label EdgeNode {node} with its site"))?;
+    }
+    let rollout: FleetRollout = serde_json::from_value(serde_json::json!({
+        "apiVersion": "edgefleet.io/v1alpha1",
+        "kind": "FleetRollout",
+        "metadata": { "name": DEMO_ROLLOUT, "namespace": namespace },
+        "spec": {
+            "target": { "firmware": {
+                "version": DEMO_FIRMWARE,
+                "url": format!("https://firmware.example.com/sim-{DEMO_FIRMWARE}.bin"),
+                "sha256": "5d".repeat(32),
+            } },
+            "selector": { "matchLabels": { SIMULATED_LABEL: "true" } },
+            "strategy": {
+                "canary": 1,
+                "waves": ["25%", "50%"],
+                "maxUnavailable": "10%",
+                "failureDomain": { "topologyKey": SITE, "maxUnavailable": "10%", "canary": 1 },
+            },
+            "health": { "expression": "online", "bakeSeconds": 20 },
+            "failurePolicy": {
+                "thresholds": [{ "scope": "Site", "percent": 30, "minSample": 3 }],
+                "action": "Rollback",
+                "rollbackScope": "Failed",
+            },
+        },
+    }))?;
+    Api::<FleetRollout>::namespaced(client.clone(), namespace)
+        .patch(
+            DEMO_ROLLOUT,
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(&rollout),
+        )
+        .await
+        .context("apply the FleetRollout")?;
+    Ok(())
 }
 
 /// Applies every Device of `dir`'s YAML files (server-side apply).
@@ -195,6 +293,9 @@ async fn apply_examples(client: &Client, dir: &Path) -> anyhow::Result<usize> {
     }
     Ok(applied)
 }
+
+/// The label naming an edge node's site.
+const SITE: &str = "edgefleet.io/site";
 
 fn examples_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples")
