@@ -1029,7 +1029,7 @@ async fn a_site_past_its_threshold_is_rolled_back_by_the_agent_and_its_reports_s
     use edgefleet_agent::site_rollback::judge_and_roll_back;
     use edgefleet_shared::api::device::FirmwareSpec;
     use edgefleet_shared::codec::{FirmwareFailure, FirmwareOrder};
-    use edgefleet_shared::rollout_member::Previous;
+    use edgefleet_shared::rollout_member::{Previous, SiteThreshold};
     use edgefleet_shared::site_rollback::SiteRollback;
     let tmp = tempfile::tempdir().unwrap();
     let store = open(&tmp.path().join("store"));
@@ -1045,10 +1045,12 @@ async fn a_site_past_its_threshold_is_rolled_back_by_the_agent_and_its_reports_s
         d.site_rollback = Some(SiteRollback {
             rollout: "fw-2".into(),
             rollout_uid: "r-1".into(),
-            percent: 50,
-            min_sample: 2,
-            classes: Vec::new(),
-            whole_site: true,
+            threshold: SiteThreshold {
+                percent: 50,
+                min_sample: 2,
+                classes: Vec::new(),
+                whole_site: true,
+            },
             previous: Previous {
                 firmware_changed: true,
                 firmware: Some(FirmwareSpec {

@@ -160,7 +160,7 @@ mod site {
     use super::{EdgeRollback, Firmware, SiteRollback};
     use crate::api::device::FirmwareSpec;
     use crate::api::rollout::FailureClass;
-    use crate::rollout_member::Previous;
+    use crate::rollout_member::{Previous, SiteThreshold};
     use crate::site_rollback as pure;
 
     fn class_name(c: FailureClass) -> &'static str {
@@ -188,10 +188,15 @@ mod site {
             SiteRollback {
                 rollout: s.rollout.clone(),
                 rollout_uid: s.rollout_uid.clone(),
-                percent: u32::from(s.percent),
-                min_sample: s.min_sample,
-                classes: s.classes.iter().map(|c| class_name(*c).into()).collect(),
-                whole_site: s.whole_site,
+                percent: u32::from(s.threshold.percent),
+                min_sample: s.threshold.min_sample,
+                classes: s
+                    .threshold
+                    .classes
+                    .iter()
+                    .map(|c| class_name(*c).into())
+                    .collect(),
+                whole_site: s.threshold.whole_site,
                 firmware_changed: previous.firmware_changed,
                 previous_firmware: previous.firmware.as_ref().map(|f| Firmware {
                     version: f.version.clone(),
@@ -232,14 +237,16 @@ mod site {
             Ok(pure::SiteRollback {
                 rollout: s.rollout.clone(),
                 rollout_uid: s.rollout_uid.clone(),
-                percent,
-                min_sample: s.min_sample,
-                classes: s
-                    .classes
-                    .iter()
-                    .map(|c| class_of(c))
-                    .collect::<Result<_, _>>()?,
-                whole_site: s.whole_site,
+                threshold: SiteThreshold {
+                    percent,
+                    min_sample: s.min_sample,
+                    classes: s
+                        .classes
+                        .iter()
+                        .map(|c| class_of(c))
+                        .collect::<Result<_, _>>()?,
+                    whole_site: s.whole_site,
+                },
                 previous: Previous {
                     firmware_changed: s.firmware_changed,
                     firmware: s.previous_firmware.as_ref().map(|f| FirmwareSpec {
@@ -285,10 +292,12 @@ mod site {
             let plan = pure::SiteRollback {
                 rollout: "fw-2".into(),
                 rollout_uid: "u-1".into(),
-                percent: 40,
-                min_sample: 3,
-                classes: vec![FailureClass::HealthFailed, FailureClass::TimedOut],
-                whole_site: true,
+                threshold: SiteThreshold {
+                    percent: 40,
+                    min_sample: 3,
+                    classes: vec![FailureClass::HealthFailed, FailureClass::TimedOut],
+                    whole_site: true,
+                },
                 previous: Previous {
                     firmware_changed: true,
                     firmware: Some(FirmwareSpec {

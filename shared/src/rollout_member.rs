@@ -160,14 +160,10 @@ pub fn site_rollback(device: &Device) -> Option<SiteRollback> {
     if !current || record.rolled_back {
         return None;
     }
-    let site = record.site?;
     Some(SiteRollback {
+        threshold: record.site?,
         rollout: record.rollout,
         rollout_uid: record.uid,
-        percent: site.percent,
-        min_sample: site.min_sample,
-        classes: site.classes,
-        whole_site: site.whole_site,
         previous: record.previous,
     })
 }

@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 use crate::api::rollout::FailureClass;
 use crate::codec::{DesiredState, DeviceReport, FirmwareOrder};
 use crate::health_check::{HealthStage, HealthState};
-use crate::rollout_member::Previous;
+use crate::rollout_member::{Previous, SiteThreshold};
 use crate::rollout_step::crossed;
 
 /// What a Device's agent is told with the generation a rollout made, if
@@ -32,18 +32,8 @@ pub struct SiteRollback {
     pub rollout: String,
     /// Its uid: the members of one rollout at a site are judged together.
     pub rollout_uid: String,
-    /// Crossed when at least this percentage of the site's finished
-    /// devices failed...
-    pub percent: u8,
-    /// ...and at least this many finished.
-    pub min_sample: u32,
-    /// The failures that count; all of them when empty.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub classes: Vec<FailureClass>,
-    /// Roll back every device of the site the rollout changed, not only
-    /// the failed ones.
-    #[serde(default)]
-    pub whole_site: bool,
+    /// When the site goes back, and which of its devices.
+    pub threshold: SiteThreshold,
     /// What the rollout replaced on this device.
     pub previous: Previous,
 }
@@ -125,7 +115,8 @@ pub struct Verdict {
 /// already count as failed (each was, or its site crossed the threshold);
 /// `None` while the threshold holds or nothing is left to roll back.
 pub fn judge(plan: &SiteRollback, outcomes: &[Outcome]) -> Option<Verdict> {
-    let counts = |c: &FailureClass| plan.classes.is_empty() || plan.classes.contains(c);
+    let t = &plan.threshold;
+    let counts = |c: &FailureClass| t.classes.is_empty() || t.classes.contains(c);
     let (mut sample, mut failed) = (0u32, 0u32);
     for o in outcomes {
         match o {
@@ -141,7 +132,7 @@ pub fn judge(plan: &SiteRollback, outcomes: &[Outcome]) -> Option<Verdict> {
             }
         }
     }
-    if !crossed(failed, sample, plan.percent, plan.min_sample) {
+    if !crossed(failed, sample, t.percent, t.min_sample) {
         return None;
     }
     let roll_back: Vec<usize> = outcomes
@@ -150,7 +141,7 @@ pub fn judge(plan: &SiteRollback, outcomes: &[Outcome]) -> Option<Verdict> {
         .filter(|(_, o)| match o {
             Outcome::RolledBack => false,
             Outcome::Failed(_) => true,
-            Outcome::Open | Outcome::Succeeded => plan.whole_site,
+            Outcome::Open | Outcome::Succeeded => t.whole_site,
         })
         .map(|(i, _)| i)
         .collect();
@@ -161,7 +152,7 @@ pub fn judge(plan: &SiteRollback, outcomes: &[Outcome]) -> Option<Verdict> {
         roll_back,
         message: format!(
             "rollout {}: {failed} of {sample} finished devices at this site failed (threshold {}%, minimum sample {}); rolled back by the site's agent while the cloud was unreachable",
-            plan.rollout, plan.percent, plan.min_sample
+            plan.rollout, t.percent, t.min_sample
         ),
     })
 }
@@ -200,10 +191,12 @@ mod tests {
         SiteRollback {
             rollout: "fw-2".into(),
             rollout_uid: "u".into(),
-            percent: 50,
-            min_sample: 2,
-            classes: vec![FailureClass::HealthFailed],
-            whole_site,
+            threshold: SiteThreshold {
+                percent: 50,
+                min_sample: 2,
+                classes: vec![FailureClass::HealthFailed],
+                whole_site,
+            },
             previous: Previous::default(),
         }
     }
