@@ -8,7 +8,8 @@
 //! generations (`observedGeneration`) and holds a finalizer until the edge
 //! dropped a deleted Device; steps people should see become Kubernetes
 //! [`events`]. The [`rollout`] reconciler runs FleetRollouts over the
-//! Devices. [`liveness`] marks nodes without an agent unreachable after
+//! Devices. The [`rules`] reconciler accepts or refuses EdgeRules.
+//! [`liveness`] marks nodes without an agent unreachable after
 //! a grace period. [`run`] wires them. [`crds`] renders the API definitions.
 
 #![forbid(unsafe_code)]
@@ -23,6 +24,7 @@ pub mod index;
 pub mod liveness;
 pub mod reconcile;
 pub mod rollout;
+pub mod rules;
 pub mod run;
 pub mod status;
 pub mod sync;

@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use edgefleet_shared::ResourceKey;
 use edgefleet_shared::api::rollout::FleetRollout;
+use edgefleet_shared::api::rule::EdgeRule;
 use edgefleet_shared::api::{Device, EdgeNode};
 use edgefleet_shared::heartbeat::Heartbeat;
 use edgefleet_shared::proto::sync_server::SyncServer;
@@ -136,6 +137,22 @@ impl Controller {
             Some(namespace) => Api::<FleetRollout>::namespaced(client.clone(), namespace),
             None => Api::<FleetRollout>::all(client.clone()),
         };
+        let rules = crate::rules::Context::new(
+            client.clone(),
+            devices.clone(),
+            edge_nodes.clone(),
+            status.clone(),
+            events.clone(),
+        );
+        let rules_api = match &settings.namespace {
+            Some(namespace) => Api::<EdgeRule>::namespaced(client.clone(), namespace),
+            None => Api::<EdgeRule>::all(client.clone()),
+        };
+        tasks.spawn(crate::rules::run(
+            rules_api,
+            Arc::new(rules),
+            crate::rollout::throttled(device_changes.clone(), RULES_TRIGGER_PERIOD),
+        ));
         tasks.spawn(crate::rollout::run(
             rollouts_api,
             Arc::new(rollouts),
@@ -217,6 +234,10 @@ fn watch_backoff() -> ResetTimerBackoff<watcher::ExponentialBackoff> {
         .without_max_times();
     ResetTimerBackoff::new(retries.into(), std::time::Duration::from_secs(60))
 }
+
+/// Rules count the Devices they watch again at most this often while
+/// Devices change.
+const RULES_TRIGGER_PERIOD: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Rollouts look at their Devices again at most this often while Devices
 /// change (and every [`crate::rollout::TICK`] while they move anyway).

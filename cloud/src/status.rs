@@ -80,8 +80,9 @@ pub enum StatusChange {
         firmware_failure: Option<edgefleet_shared::codec::FirmwareFailure>,
         /// The agent's health check of the applied generation.
         health: Option<edgefleet_shared::health_check::HealthState>,
-        /// The agent rolled the device back on its own.
-        edge_rollback: Option<edgefleet_shared::site_rollback::EdgeRollback>,
+        /// The agent rolled the device back on its own (boxed: rare, and
+        /// it would make every change larger).
+        edge_rollback: Option<Box<edgefleet_shared::site_rollback::EdgeRollback>>,
         /// When the agent received the report (Unix milliseconds).
         received_at_ms: i64,
         /// Where it came from; `None` from an agent that does not say.
@@ -1011,12 +1012,12 @@ mod tests {
         // The device runs generation 4's predecessor again, under 3.
         let mut back = report(3, 20.0, 2_000);
         if let StatusChange::Reported { edge_rollback, .. } = &mut back {
-            *edge_rollback = Some(edgefleet_shared::site_rollback::EdgeRollback {
+            *edge_rollback = Some(Box::new(edgefleet_shared::site_rollback::EdgeRollback {
                 rollout: "fw-2".into(),
                 generation: 4,
                 at_ms: 1_500,
                 message: "2 of 2 failed".into(),
-            });
+            }));
         }
         let next = next_status(&DeviceStatus::default(), &[back], "u", 4, at(2_000));
         let c = next

@@ -61,19 +61,25 @@ pub enum Verdict {
     Inconclusive(String),
 }
 
+/// Compiles a CEL expression that may use only `names`: the program, or
+/// the syntax error, or the first other name it uses.
+pub(crate) fn compile_over(source: &str, names: &[&str]) -> Result<Program, HealthGateError> {
+    let program = Program::compile(source).map_err(|e| HealthGateError::Syntax(e.to_string()))?;
+    if let Some(unknown) = program
+        .references()
+        .variables()
+        .into_iter()
+        .find(|name| !names.contains(name))
+    {
+        return Err(HealthGateError::UnknownName(unknown.to_owned()));
+    }
+    Ok(program)
+}
+
 impl HealthGate {
     /// Compiles `source`, refusing syntax errors and unknown names.
     pub fn compile(source: &str) -> Result<Self, HealthGateError> {
-        let program =
-            Program::compile(source).map_err(|e| HealthGateError::Syntax(e.to_string()))?;
-        if let Some(unknown) = program
-            .references()
-            .variables()
-            .into_iter()
-            .find(|name| !NAMES.contains(name))
-        {
-            return Err(HealthGateError::UnknownName(unknown.to_owned()));
-        }
+        let program = compile_over(source, &NAMES)?;
         Ok(HealthGate {
             source: source.to_owned(),
             program,
@@ -108,7 +114,7 @@ impl HealthGate {
     }
 }
 
-fn cel_value(value: &PropertyValue) -> Value {
+pub(crate) fn cel_value(value: &PropertyValue) -> Value {
     match value {
         PropertyValue::Bool(b) => Value::Bool(*b),
         PropertyValue::Int(i) => Value::Int(*i),

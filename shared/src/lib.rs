@@ -1,7 +1,8 @@
 //! Edgefleet's shared contracts: what the cloud controller, the edge agent and
 //! the device simulator must agree on.
 //!
-//! - [`api`]: the custom resources (Device, EdgeNode) and their schemas;
+//! - [`api`]: the custom resources (Device, EdgeNode, FleetRollout,
+//!   EdgeRule) and their schemas;
 //! - [`proto`]: the sync protocol between cloud and agent (gRPC);
 //! - [`codec`]: the CBOR wire format between agent and devices, and
 //!   [`topics`]: the MQTT topics it travels on;
@@ -26,6 +27,7 @@ pub mod proto;
 pub mod rollout_member;
 pub mod rollout_plan;
 pub mod rollout_step;
+pub mod rule_when;
 pub mod site_rollback;
 pub mod telemetry;
 pub mod topics;

@@ -491,6 +491,12 @@ pub async fn install_crds(kubeconfig: &Path) -> anyhow::Result<()> {
                 "spec": { "target": { "properties": { "x": [1] } }, "selector": {} }
             }),
         ),
+        (
+            ApiResource::erase::<edgefleet_shared::api::EdgeRule>(&()),
+            serde_json::json!({
+                "spec": { "selector": {}, "when": "online", "then": { "set": { "x": [1] } } }
+            }),
+        ),
     ];
     for (resource, bad) in probes {
         tokio::time::timeout(CRD_TIMEOUT, await_policy_enforced(&client, &resource, bad))

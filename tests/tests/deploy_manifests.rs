@@ -473,6 +473,10 @@ async fn the_controller_may_do_what_it_does_and_nothing_else() {
         ("watch", "edgefleet.io", "fleetrollouts", None),
         ("get", "edgefleet.io", "fleetrollouts", some_ns),
         ("patch", "edgefleet.io", "fleetrollouts/status", some_ns),
+        // The EdgeRule reconciler.
+        ("list", "edgefleet.io", "edgerules", None),
+        ("watch", "edgefleet.io", "edgerules", None),
+        ("patch", "edgefleet.io", "edgerules/status", some_ns),
         ("create", "", "events", some_ns),
         ("patch", "", "events", some_ns),
         ("create", "events.k8s.io", "events", some_ns),
@@ -494,6 +498,9 @@ async fn the_controller_may_do_what_it_does_and_nothing_else() {
         ("create", "edgefleet.io", "fleetrollouts", some_ns),
         ("patch", "edgefleet.io", "fleetrollouts", some_ns),
         ("delete", "edgefleet.io", "fleetrollouts", some_ns),
+        // Rules too.
+        ("create", "edgefleet.io", "edgerules", some_ns),
+        ("patch", "edgefleet.io", "edgerules", some_ns),
         ("delete", "events.k8s.io", "events", some_ns),
         ("list", "", "events", some_ns),
         ("get", "", "secrets", own_ns),

@@ -566,7 +566,7 @@ impl Session {
         };
         let edge_rollback = report.edge_rollback.map(|mut r| {
             r.message = r.message.chars().take(MAX_HEALTH_MESSAGE).collect();
-            edgefleet_shared::site_rollback::EdgeRollback::from(r)
+            Box::new(edgefleet_shared::site_rollback::EdgeRollback::from(r))
         });
         Ok(Accepted::Status(
             key,

@@ -4,6 +4,7 @@ pub mod device;
 pub mod edge_node;
 pub mod policy;
 pub mod rollout;
+pub mod rule;
 pub mod schema;
 
 pub use device::{
@@ -11,6 +12,7 @@ pub use device::{
 };
 pub use edge_node::{EdgeNode, EdgeNodeSpec, EdgeNodeStatus};
 pub use rollout::{FleetRollout, FleetRolloutSpec, FleetRolloutStatus};
+pub use rule::{EdgeRule, EdgeRuleSpec, EdgeRuleStatus};
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::CustomResourceExt;
@@ -20,5 +22,10 @@ pub const GROUP: &str = "edgefleet.io";
 
 /// Every custom resource definition Edgefleet installs, in a stable order.
 pub fn crds() -> Vec<CustomResourceDefinition> {
-    vec![Device::crd(), EdgeNode::crd(), FleetRollout::crd()]
+    vec![
+        Device::crd(),
+        EdgeNode::crd(),
+        FleetRollout::crd(),
+        EdgeRule::crd(),
+    ]
 }

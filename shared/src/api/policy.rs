@@ -1,4 +1,5 @@
-//! The admission policies that complete the Device and FleetRollout schemas.
+//! The admission policies that complete the Device, FleetRollout and
+//! EdgeRule schemas.
 //!
 //! Some rules cannot live in a CRD schema: a property value may be any of four
 //! scalar types, which a structural schema cannot say and CRD validation rules
@@ -20,9 +21,12 @@ pub const DEVICE_POLICY: &str = "devices.edgefleet.io";
 /// Name of the FleetRollout policy and of its binding.
 pub const ROLLOUT_POLICY: &str = "fleetrollouts.edgefleet.io";
 
+/// Name of the EdgeRule policy and of its binding.
+pub const RULE_POLICY: &str = "edgerules.edgefleet.io";
+
 /// Every admission policy Edgefleet installs, each with its binding.
 pub fn policies() -> Vec<(ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding)> {
-    [device_policy(), rollout_policy()]
+    [device_policy(), rollout_policy(), rule_policy()]
         .into_iter()
         .map(|policy| {
             let name = policy.metadata.name.clone().expect("policies are named");
@@ -55,6 +59,30 @@ pub fn rollout_policy() -> ValidatingAdmissionPolicy {
             "reason": "Invalid",
             "message": "spec.target: a rollout changes the firmware, some properties, or both",
         })],
+    )
+}
+
+/// The policy that checks an EdgeRule's `then`: the properties it sets
+/// (as a Device's), that it does something, and that a target comes with
+/// properties to set.
+pub fn rule_policy() -> ValidatingAdmissionPolicy {
+    property_policy(
+        RULE_POLICY,
+        "edgerules",
+        "spec.then.set",
+        "has(object.spec.then.set) ? object.spec.then.set : {}",
+        vec![
+            json!({
+                "expression": "has(object.spec.then.event) || size(variables.props) > 0",
+                "reason": "Invalid",
+                "message": "spec.then: then must set a property or raise an event",
+            }),
+            json!({
+                "expression": "!has(object.spec.then.target) || size(variables.props) > 0",
+                "reason": "Invalid",
+                "message": "spec.then.target names the devices whose properties are set; it needs spec.then.set",
+            }),
+        ],
     )
 }
 
