@@ -192,10 +192,10 @@ async fn main() -> anyhow::Result<()> {
         None => Probe::Live,
     };
     let mqtt_check = health.check("mqtt", mqtt_probe, None);
-    if mqtt_probe == Probe::Ready {
-        // Not ready before the first connection; alive all the same.
-        mqtt_check.failing("not connected to the site broker yet");
-    }
+    // Not healthy (embedded broker) or not ready (external one) until the
+    // broker acknowledged the subscriptions to reports and events: a
+    // report sent before that reaches no subscriber.
+    mqtt_check.failing("not subscribed at the site broker yet");
     let heartbeat = Duration::try_from_secs_f64(cli.cloud_heartbeat_seconds)
         .ok()
         .filter(|d| !d.is_zero())

@@ -22,7 +22,10 @@ use edgefleet_shared::health::Check;
 use edgefleet_shared::telemetry::Outcomes;
 use edgefleet_shared::{ResourceKey, topics};
 use prometheus_client::metrics::counter::Counter;
-use rumqttc::{AsyncClient, Event, EventLoop, MqttOptions, Packet, Publish, QoS};
+use rumqttc::{
+    AsyncClient, Event, EventLoop, MqttOptions, Packet, Publish, QoS, SubscribeFilter,
+    SubscribeReasonCode,
+};
 use tokio::sync::{Notify, broadcast, mpsc};
 
 use crate::store::{Batch, EventOutcome, Store, StoreError};
@@ -226,22 +229,37 @@ async fn drive(
         match events.poll().await {
             Ok(Event::Incoming(Packet::ConnAck(_))) => {
                 tracing::info!(%node, "connected to the site broker");
-                check.ok();
+                // Healthy only once the broker acknowledged the
+                // subscriptions: until then a device's report reaches no
+                // subscriber.
+                check.failing("connected to the site broker; subscribing to reports and events");
                 // From a task: after an outage the request queue may be full
                 // of desired states, and only this loop drains it, so
                 // awaiting here would never end and try_subscribe would
                 // fail, leaving the agent deaf to reports until the next
                 // reconnect.
                 let client = client.clone();
-                let filters = [topics::reports_of(&node), topics::events_of(&node)];
+                let filters = [topics::reports_of(&node), topics::events_of(&node)]
+                    .map(|filter| SubscribeFilter::new(filter, QoS::AtLeastOnce));
                 tokio::spawn(async move {
-                    for filter in filters {
-                        if let Err(error) = client.subscribe(&filter, QoS::AtLeastOnce).await {
-                            tracing::warn!(%error, %filter, "could not subscribe");
-                        }
+                    if let Err(error) = client.subscribe_many(filters).await {
+                        tracing::warn!(%error, "could not subscribe to reports and events");
                     }
                 });
                 connected.notify_one();
+            }
+            Ok(Event::Incoming(Packet::SubAck(ack))) => {
+                let refused = ack
+                    .return_codes
+                    .iter()
+                    .any(|c| matches!(c, SubscribeReasonCode::Failure));
+                if refused {
+                    tracing::error!(%node, "the site broker refused the subscription to reports and events");
+                    check.failing("the site broker refused the subscription to reports and events");
+                } else {
+                    tracing::info!(%node, "subscribed to reports and events");
+                    check.ok();
+                }
             }
             Ok(Event::Incoming(Packet::Publish(publish))) => {
                 if publish.qos == QoS::AtMostOnce {
