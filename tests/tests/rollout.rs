@@ -794,7 +794,7 @@ async fn a_site_cut_off_past_its_failure_threshold_is_rolled_back_by_its_agent_a
         4,
         &[
             "--bad-firmware=2.0.0",
-            "--install-time=4s..5s",
+            "--install-time=8s..9s",
             &format!("--applied-log={}", applied_log.display()),
         ],
     )
