@@ -296,9 +296,40 @@ async fn a_misspelt_field_is_refused() {
 async fn the_examples_are_devices_the_simulator_understands() {
     let client = control_plane().client().await;
     let ns = test_namespace(&client, "examples").await;
-    let (examples, rollouts): (Vec<Manifest>, Vec<Manifest>) = example_manifests()
+    let (examples, others): (Vec<Manifest>, Vec<Manifest>) = example_manifests()
         .into_iter()
         .partition(|m| m.kind() == "Device");
+    let (rules, rollouts): (Vec<Manifest>, Vec<Manifest>) =
+        others.into_iter().partition(|m| m.kind() == "EdgeRule");
+    let picks_an_example =
+        |selector: &k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector| {
+            let selector = kube::core::Selector::try_from(selector.clone()).unwrap();
+            examples.iter().any(|d| {
+                let labels = d.object.metadata.labels.clone().unwrap_or_default();
+                kube::core::SelectorExt::matches(&selector, &labels)
+            })
+        };
+
+    // The rule examples: accepted with strict validation (the admission
+    // policy included), a condition the controller and the agents compile,
+    // and a selector that picks some of the example Devices.
+    assert!(!rules.is_empty(), "no EdgeRule example");
+    for rule in &rules {
+        let mut object = rule.object.clone();
+        object.metadata.namespace = Some(ns.clone());
+        apply(&client, &object, &strict())
+            .await
+            .unwrap_or_else(|e| panic!("{}: refused: {e}", rule.origin));
+        let spec: edgefleet_shared::api::EdgeRuleSpec =
+            serde_json::from_value(rule.object.data["spec"].clone()).unwrap();
+        edgefleet_shared::rule_when::When::compile(&spec.when)
+            .unwrap_or_else(|e| panic!("{}: {e}", rule.origin));
+        assert!(
+            picks_an_example(&spec.selector),
+            "{}: watches none of the example Devices",
+            rule.origin
+        );
+    }
 
     // The rollout examples: accepted with strict validation, a health
     // expression the controller compiles, and a selector that picks some of
@@ -317,13 +348,8 @@ async fn the_examples_are_devices_the_simulator_understands() {
             edgefleet_shared::health_gate::HealthGate::compile(&health.expression)
                 .unwrap_or_else(|e| panic!("{}: {e}", rollout.origin));
         }
-        let selector = kube::core::Selector::try_from(spec.selector.clone()).unwrap();
-        let picks = examples.iter().any(|d| {
-            let labels = d.object.metadata.labels.clone().unwrap_or_default();
-            kube::core::SelectorExt::matches(&selector, &labels)
-        });
         assert!(
-            picks,
+            picks_an_example(&spec.selector),
             "{}: selects none of the example Devices",
             rollout.origin
         );
