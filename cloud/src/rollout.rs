@@ -671,17 +671,3 @@ fn set_conditions(status: &mut FleetRolloutStatus, wanted: &[WantedCondition]) {
         );
     }
 }
-
-/// A stream that yields at most every `every` while `changes` move: the
-/// trigger of [`run`], fed by the Device watch.
-pub fn throttled(
-    changes: tokio::sync::watch::Receiver<()>,
-    every: Duration,
-) -> impl Stream<Item = ()> + Send + 'static {
-    futures::stream::unfold(changes, move |mut changes| async move {
-        changes.changed().await.ok()?;
-        tokio::time::sleep(every).await;
-        changes.borrow_and_update();
-        Some(((), changes))
-    })
-}

@@ -151,12 +151,12 @@ impl Controller {
         tasks.spawn(crate::rules::run(
             rules_api,
             Arc::new(rules),
-            crate::rollout::throttled(device_changes.clone(), RULES_TRIGGER_PERIOD),
+            throttled(device_changes.clone(), RULES_TRIGGER_PERIOD),
         ));
         tasks.spawn(crate::rollout::run(
             rollouts_api,
             Arc::new(rollouts),
-            crate::rollout::throttled(device_changes, ROLLOUT_TRIGGER_PERIOD),
+            throttled(device_changes, ROLLOUT_TRIGGER_PERIOD),
         ));
         let context = Context::new(
             client.clone(),
@@ -284,4 +284,18 @@ async fn feed_index(
             Err(error) => tracing::warn!(%error, "Device watch failed; retrying"),
         }
     }
+}
+
+/// A stream that yields at most every `every` while `changes` move: the
+/// trigger of the rollout and rule reconcilers, fed by the Device watch.
+fn throttled(
+    changes: tokio::sync::watch::Receiver<()>,
+    every: std::time::Duration,
+) -> impl futures::Stream<Item = ()> + Send + 'static {
+    futures::stream::unfold(changes, move |mut changes| async move {
+        changes.changed().await.ok()?;
+        tokio::time::sleep(every).await;
+        changes.borrow_and_update();
+        Some(((), changes))
+    })
 }
