@@ -27,6 +27,7 @@ pub mod proto;
 pub mod rollout_member;
 pub mod rollout_plan;
 pub mod rollout_step;
+pub mod rule_engine;
 pub mod rule_when;
 pub mod site_rollback;
 pub mod telemetry;
