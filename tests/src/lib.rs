@@ -579,3 +579,25 @@ fn tail(path: &Path, lines: usize) -> String {
     let all: Vec<&str> = text.lines().collect();
     all[all.len().saturating_sub(lines)..].join("\n")
 }
+
+/// Lists a resource as the Table kubectl prints: (column names, rows of cells).
+pub async fn table(client: &Client, path: &str) -> (Vec<String>, Vec<Vec<serde_json::Value>>) {
+    let req = http::Request::get(path)
+        .header("Accept", "application/json;as=Table;v=v1;g=meta.k8s.io")
+        .body(Vec::new())
+        .unwrap();
+    let table: serde_json::Value = client.request(req).await.unwrap();
+    let columns = table["columnDefinitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap().to_owned())
+        .collect();
+    let rows = table["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["cells"].as_array().unwrap().clone())
+        .collect();
+    (columns, rows)
+}

@@ -8,7 +8,7 @@ use edgefleet_shared::PropertyValue;
 use edgefleet_shared::api::{
     Device, DevicePhase, DeviceSpec, DeviceStatus, EdgeNode, FirmwareSpec, Transport, crds,
 };
-use edgefleet_tests::{FIELD_MANAGER, assert_refused, control_plane, test_namespace};
+use edgefleet_tests::{FIELD_MANAGER, assert_refused, control_plane, table, test_namespace};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{DynamicObject, Patch, PatchParams, PostParams};
 use kube::core::ApiResource;
@@ -314,28 +314,6 @@ async fn spec_writes_through_the_main_resource_cannot_change_status() {
         None,
         "status must only be written through /status"
     );
-}
-
-/// Lists a resource as the Table kubectl prints: (column names, rows of cells).
-async fn table(client: &Client, path: &str) -> (Vec<String>, Vec<Vec<Value>>) {
-    let req = http::Request::get(path)
-        .header("Accept", "application/json;as=Table;v=v1;g=meta.k8s.io")
-        .body(Vec::new())
-        .unwrap();
-    let table: Value = client.request(req).await.unwrap();
-    let columns = table["columnDefinitions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c["name"].as_str().unwrap().to_owned())
-        .collect();
-    let rows = table["rows"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| r["cells"].as_array().unwrap().clone())
-        .collect();
-    (columns, rows)
 }
 
 #[tokio::test]

@@ -4,7 +4,7 @@
 //! the columns people look for.
 
 use edgefleet_shared::api::FleetRollout;
-use edgefleet_tests::{assert_refused, control_plane, test_namespace};
+use edgefleet_tests::{assert_refused, control_plane, table, test_namespace};
 use kube::api::{DynamicObject, PostParams};
 use kube::core::ApiResource;
 use kube::{Api, Client};
@@ -202,19 +202,11 @@ async fn kubectl_get_fleetrollouts_shows_phase_wave_counts_and_age() {
     let client = control_plane().client().await;
     let ns = test_namespace(&client, "rollout-columns").await;
     create(&client, &ns, "fw-2", valid_spec()).await.unwrap();
-    let req = http::Request::get(format!(
-        "/apis/edgefleet.io/v1alpha1/namespaces/{ns}/fleetrollouts"
-    ))
-    .header("Accept", "application/json;as=Table;v=v1;g=meta.k8s.io")
-    .body(Vec::new())
-    .unwrap();
-    let table: Value = client.request(req).await.unwrap();
-    let columns: Vec<&str> = table["columnDefinitions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c["name"].as_str().unwrap())
-        .collect();
+    let (columns, rows) = table(
+        &client,
+        &format!("/apis/edgefleet.io/v1alpha1/namespaces/{ns}/fleetrollouts"),
+    )
+    .await;
     assert_eq!(
         columns,
         [
@@ -229,7 +221,7 @@ async fn kubectl_get_fleetrollouts_shows_phase_wave_counts_and_age() {
             "Firmware"
         ]
     );
-    let row = table["rows"][0]["cells"].as_array().unwrap();
+    let row = &rows[0];
     assert_eq!(row[0], json!("fw-2"));
     assert_eq!(row[8], json!("2.0.0"));
 }

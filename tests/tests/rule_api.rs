@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use edgefleet_shared::api::EdgeRule;
 use edgefleet_tests::stack::{Stack, StackSpec};
-use edgefleet_tests::{assert_refused, control_plane, eventually_within, test_namespace};
+use edgefleet_tests::{assert_refused, control_plane, eventually_within, table, test_namespace};
 use kube::api::{DynamicObject, PostParams};
 use kube::core::ApiResource;
 use kube::{Api, Client};
@@ -141,24 +141,16 @@ async fn kubectl_get_edgerules_shows_accepted_priority_devices_and_age() {
     create(&client, &ns, "overheat", valid_spec())
         .await
         .unwrap();
-    let req = http::Request::get(format!(
-        "/apis/edgefleet.io/v1alpha1/namespaces/{ns}/edgerules"
-    ))
-    .header("Accept", "application/json;as=Table;v=v1;g=meta.k8s.io")
-    .body(Vec::new())
-    .unwrap();
-    let table: Value = client.request(req).await.unwrap();
-    let columns: Vec<&str> = table["columnDefinitions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| c["name"].as_str().unwrap())
-        .collect();
+    let (columns, rows) = table(
+        &client,
+        &format!("/apis/edgefleet.io/v1alpha1/namespaces/{ns}/edgerules"),
+    )
+    .await;
     assert_eq!(
         columns,
         ["Name", "Accepted", "Priority", "Devices", "Age", "When"]
     );
-    let row = table["rows"][0]["cells"].as_array().unwrap();
+    let row = &rows[0];
     assert_eq!(row[0], json!("overheat"));
     assert_eq!(row[2], json!(100));
     assert_eq!(row[5], json!("reported.temperature > 80.0"));
