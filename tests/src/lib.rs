@@ -601,3 +601,25 @@ pub async fn table(client: &Client, path: &str) -> (Vec<String>, Vec<Vec<serde_j
         .collect();
     (columns, rows)
 }
+
+/// Creates a `K` named `name` in `ns` whose spec is `spec` as written
+/// (untyped, so a test can send what the Rust type could not hold);
+/// returns the object the API server stored, or its refusal.
+pub async fn create_with_spec<K>(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    spec: serde_json::Value,
+) -> Result<serde_json::Value, kube::Error>
+where
+    K: kube::Resource<DynamicType = ()>,
+{
+    let resource = kube::core::ApiResource::erase::<K>(&());
+    let api: Api<kube::api::DynamicObject> = Api::namespaced_with(client.clone(), ns, &resource);
+    let object =
+        kube::api::DynamicObject::new(name, &resource).data(serde_json::json!({ "spec": spec }));
+    let created = api
+        .create(&kube::api::PostParams::default(), &object)
+        .await?;
+    Ok(created.data)
+}

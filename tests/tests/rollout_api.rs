@@ -4,22 +4,12 @@
 //! the columns people look for.
 
 use edgefleet_shared::api::FleetRollout;
-use edgefleet_tests::{assert_refused, control_plane, table, test_namespace};
-use kube::api::{DynamicObject, PostParams};
-use kube::core::ApiResource;
+use edgefleet_tests::{assert_refused, control_plane, create_with_spec, table, test_namespace};
 use kube::{Api, Client};
 use serde_json::{Value, json};
 
-fn api(client: &Client, ns: &str) -> Api<DynamicObject> {
-    let resource = ApiResource::erase::<FleetRollout>(&());
-    Api::namespaced_with(client.clone(), ns, &resource)
-}
-
 async fn create(client: &Client, ns: &str, name: &str, spec: Value) -> Result<Value, kube::Error> {
-    let resource = ApiResource::erase::<FleetRollout>(&());
-    let obj = DynamicObject::new(name, &resource).data(json!({ "spec": spec }));
-    let created = api(client, ns).create(&PostParams::default(), &obj).await?;
-    Ok(created.data)
+    create_with_spec::<FleetRollout>(client, ns, name, spec).await
 }
 
 /// A firmware rollout over the thermostats, ten at a time per site.

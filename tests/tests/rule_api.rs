@@ -8,22 +8,14 @@ use std::time::Duration;
 
 use edgefleet_shared::api::EdgeRule;
 use edgefleet_tests::stack::{Stack, StackSpec};
-use edgefleet_tests::{assert_refused, control_plane, eventually_within, table, test_namespace};
-use kube::api::{DynamicObject, PostParams};
-use kube::core::ApiResource;
+use edgefleet_tests::{
+    assert_refused, control_plane, create_with_spec, eventually_within, table, test_namespace,
+};
 use kube::{Api, Client};
 use serde_json::{Value, json};
 
-fn api(client: &Client, ns: &str) -> Api<DynamicObject> {
-    let resource = ApiResource::erase::<EdgeRule>(&());
-    Api::namespaced_with(client.clone(), ns, &resource)
-}
-
 async fn create(client: &Client, ns: &str, name: &str, spec: Value) -> Result<Value, kube::Error> {
-    let resource = ApiResource::erase::<EdgeRule>(&());
-    let obj = DynamicObject::new(name, &resource).data(json!({ "spec": spec }));
-    let created = api(client, ns).create(&PostParams::default(), &obj).await?;
-    Ok(created.data)
+    create_with_spec::<EdgeRule>(client, ns, name, spec).await
 }
 
 /// A thermostat over 80 °C for 30 s closes the inlet valves of its node.
