@@ -766,15 +766,17 @@ async fn a_newer_session_of_a_node_ends_the_older_one() {
         store_id: "store-superseded".into(),
         ..Default::default()
     };
+    // The first Update waits for the controller's reflector to show the
+    // Device; a heartbeat may come first (its interval ticks at once).
     let mut old = RawAgent::connect(&controller, hello.clone()).await;
     assert!(matches!(
-        old.next().await,
+        old.next_skipping_heartbeats().await,
         Some(proto::cloud_message::Kind::Update(_))
     ));
     // The agent reconnected before the cloud noticed its old stream gone.
     let mut new = RawAgent::connect(&controller, hello).await;
     assert!(matches!(
-        new.next().await,
+        new.next_skipping_heartbeats().await,
         Some(proto::cloud_message::Kind::Update(_))
     ));
     let ended = tokio::time::timeout(edgefleet_tests::PATIENCE, async {
@@ -910,6 +912,16 @@ impl RawAgent {
             .ok()
             .flatten()
             .and_then(|m| m.kind)
+    }
+
+    /// The next message from the cloud that is not a Heartbeat.
+    async fn next_skipping_heartbeats(&mut self) -> Option<proto::cloud_message::Kind> {
+        loop {
+            match self.next().await {
+                Some(proto::cloud_message::Kind::Heartbeat(_)) => continue,
+                other => return other,
+            }
+        }
     }
 
     /// Acks every Update until one for which `done` holds.
