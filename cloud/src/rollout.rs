@@ -25,6 +25,8 @@
 //!   both wait or both go.
 //! - **Deletion**: nothing is undone. Each Device keeps the spec it has and
 //!   its record, which names the rollout it came from; see docs/rollouts.md.
+//!   The finalizer [`FINALIZER`] is let go only by a reconcile that sees the
+//!   deletion, so a rollout that is gone changes nothing more.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -45,6 +47,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams};
 use kube::core::{Selector, SelectorExt};
 use kube::runtime::controller::Action;
+use kube::runtime::finalizer::{self, finalizer};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::{Controller, watcher};
 use kube::{Api, Client, Resource, ResourceExt};
@@ -55,6 +58,9 @@ use crate::status::{StatusChange, StatusWriter};
 
 /// The field manager of every write the rollout reconciler makes.
 pub const FIELD_MANAGER: &str = "edgefleet-rollout";
+
+/// The finalizer on every rollout the controller has seen.
+pub const FINALIZER: &str = "edgefleet.io/rollout";
 
 /// How often a rollout that is moving is looked at again without a
 /// Device change (bake times and time-outs pass without one).
@@ -130,7 +136,11 @@ pub async fn run(
 #[error(transparent)]
 pub struct Error(#[from] kube::Error);
 
-fn error_policy(rollout: Arc<FleetRollout>, error: &Error, _: Arc<Context>) -> Action {
+fn error_policy(
+    rollout: Arc<FleetRollout>,
+    error: &finalizer::Error<Error>,
+    _: Arc<Context>,
+) -> Action {
     tracing::warn!(rollout = %rollout.name_any(), %error, "rollout reconcile failed; retrying");
     Action::requeue(Duration::from_secs(2))
 }
@@ -141,10 +151,29 @@ struct Members {
     inputs: Vec<MemberInput>,
 }
 
-async fn reconcile(rollout: Arc<FleetRollout>, context: Arc<Context>) -> Result<Action, Error> {
-    if rollout.metadata.deletion_timestamp.is_some() {
-        return Ok(Action::await_change());
-    }
+/// Holds a finalizer on every rollout it has seen, so that once a deleted
+/// rollout is gone the controller has stopped changing Devices for it: a
+/// step already under way when it was deleted lands before the finalizer
+/// is let go (reconciles of one rollout never run at once).
+async fn reconcile(
+    rollout: Arc<FleetRollout>,
+    context: Arc<Context>,
+) -> Result<Action, finalizer::Error<Error>> {
+    let api: Api<FleetRollout> = Api::namespaced(
+        context.client.clone(),
+        &rollout.namespace().unwrap_or_default(),
+    );
+    finalizer(&api, FINALIZER, rollout, |event| async {
+        match event {
+            finalizer::Event::Apply(rollout) => advance(rollout, context).await,
+            // Deletion undoes nothing (docs/rollouts.md).
+            finalizer::Event::Cleanup(_) => Ok(Action::await_change()),
+        }
+    })
+    .await
+}
+
+async fn advance(rollout: Arc<FleetRollout>, context: Arc<Context>) -> Result<Action, Error> {
     let now = Timestamp::now();
     let current = rollout.status.clone().unwrap_or_default();
     // A finished rollout is left alone until its spec changes (an abort of

@@ -498,6 +498,8 @@ async fn the_controller_may_do_what_it_does_and_nothing_else() {
         ("list", "edgefleet.io", "fleetrollouts", None),
         ("watch", "edgefleet.io", "fleetrollouts", None),
         ("get", "edgefleet.io", "fleetrollouts", some_ns),
+        // Its finalizer edgefleet.io/rollout.
+        ("patch", "edgefleet.io", "fleetrollouts", some_ns),
         ("patch", "edgefleet.io", "fleetrollouts/status", some_ns),
         // The EdgeRule reconciler.
         ("list", "edgefleet.io", "edgerules", None),
@@ -520,9 +522,10 @@ async fn the_controller_may_do_what_it_does_and_nothing_else() {
         ("delete", "edgefleet.io", "edgenodes", None),
         ("update", "edgefleet.io", "edgenodes", None),
         ("get", "edgefleet.io", "rollouts", some_ns),
-        // Rollouts are people's to write; the controller writes their status.
+        // Rollouts are people's to create and delete; the controller writes
+        // their status and its finalizer.
         ("create", "edgefleet.io", "fleetrollouts", some_ns),
-        ("patch", "edgefleet.io", "fleetrollouts", some_ns),
+        ("update", "edgefleet.io", "fleetrollouts", some_ns),
         ("delete", "edgefleet.io", "fleetrollouts", some_ns),
         // Rules too.
         ("create", "edgefleet.io", "edgerules", some_ns),
