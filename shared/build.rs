@@ -5,7 +5,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let proto = "proto/edgefleet/v1/sync.proto";
     println!("cargo:rerun-if-changed={proto}");
     let descriptors = protox::compile([proto], ["proto"])?;
+    // Maps as BTreeMaps: encoding is deterministic, so a body's digest is
+    // its version (RuleDesired).
     tonic_prost_build::configure()
+        .btree_map(".")
         .build_client(true)
         .build_server(true)
         .compile_fds(descriptors)?;

@@ -37,7 +37,7 @@ use kube::{Api, Client};
 use prometheus_client::metrics::counter::Counter;
 use tokio::sync::Semaphore;
 
-use crate::events::device_reference;
+use crate::events::resource_reference;
 use crate::status::Completion;
 
 /// The `reportingController` of Events raised by devices.
@@ -344,7 +344,7 @@ pub fn device_event(event: &DeviceEvent) -> (String, Event) {
         reason: Some(event.reason.clone()),
         note: Some(event.message.clone()),
         type_: Some(kind(event.warning)),
-        regarding: Some(device_reference(&event.device, &event.uid)),
+        regarding: Some(resource_reference(&event.device, &event.uid)),
         ..Event::default()
     };
     (event.device.namespace.clone(), object)

@@ -14,6 +14,7 @@
 //! stream.
 
 use edgefleet_shared::ResourceKey;
+use edgefleet_shared::key::ResourceKind;
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use std::num::NonZeroU32;
@@ -132,11 +133,17 @@ impl Events {
     }
 }
 
-/// A reference to the Device `key` with `uid`, for an Event about it.
-pub fn device_reference(key: &ResourceKey, uid: &str) -> ObjectReference {
+/// A reference to the Device or EdgeRule `key` with `uid`, for an Event about it.
+pub fn resource_reference(key: &ResourceKey, uid: &str) -> ObjectReference {
     ObjectReference {
         api_version: Some("edgefleet.io/v1alpha1".to_owned()),
-        kind: Some("Device".to_owned()),
+        kind: Some(
+            match key.kind {
+                ResourceKind::Device => "Device",
+                ResourceKind::Rule => "EdgeRule",
+            }
+            .to_owned(),
+        ),
         namespace: Some(key.namespace.clone()),
         name: Some(key.name.clone()),
         uid: Some(uid.to_owned()),

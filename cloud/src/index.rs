@@ -1,31 +1,34 @@
 //! The per-node index of desired state.
 //!
-//! Fed by the Device reflector, read by one sync stream per connected agent.
+//! Fed by the Device reflector (Devices) and the rule reconciler (each
+//! EdgeRule as one node's agent needs it), read by one sync stream per
+//! connected agent.
 //! Each node's slice sits behind a `tokio::sync::watch` channel: a subscriber
 //! always sees the latest slice, never a queue of changes, so a slow agent
 //! costs memory for one slice, not for a backlog. A stream turns "what the
 //! agent has been sent" and "the latest slice" into an Update with
 //! [`difference`].
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 
 use edgefleet_shared::api::{Device, Transport};
-use edgefleet_shared::proto;
+use edgefleet_shared::key::ResourceKind;
+use edgefleet_shared::proto::{self, resource};
 use edgefleet_shared::{ResourceKey, ResourceVersion};
 use kube::ResourceExt;
 use tokio::sync::watch;
 
-/// One Device as its agent needs it.
+/// One resource as its agent needs it.
 #[derive(Clone, Debug, PartialEq)]
-pub struct IndexedDevice {
-    /// uid and generation of the Device.
+pub struct Indexed {
+    /// A Device's uid and generation; a rule's uid and body digest.
     pub version: ResourceVersion,
-    /// The desired state as the sync protocol carries it.
-    pub desired: proto::DeviceDesired,
+    /// The resource as the sync protocol carries it.
+    pub body: resource::Body,
 }
 
-impl IndexedDevice {
+impl Indexed {
     /// Builds the entry for a Device read from the API server; `None` for a
     /// Device being deleted (its agent must drop it) and for an object
     /// without uid or generation (never the case for a stored object).
@@ -68,16 +71,16 @@ impl IndexedDevice {
         };
         Some((
             key,
-            IndexedDevice {
+            Indexed {
                 version: ResourceVersion::new(uid, generation),
-                desired,
+                body: resource::Body::Device(desired),
             },
         ))
     }
 }
 
-/// The desired state of every device on one node.
-pub type NodeSlice = BTreeMap<ResourceKey, Arc<IndexedDevice>>;
+/// Everything one node's agent should hold.
+pub type NodeSlice = BTreeMap<ResourceKey, Arc<Indexed>>;
 
 /// Desired state by edge node.
 #[derive(Debug, Default)]
@@ -90,6 +93,8 @@ struct Inner {
     nodes: HashMap<String, watch::Sender<NodeSlice>>,
     // Where each device sits, so a Device moved to another node leaves the old one.
     node_of: HashMap<ResourceKey, String>,
+    // The nodes each rule is on.
+    rule_nodes: HashMap<ResourceKey, BTreeSet<String>>,
 }
 
 impl Inner {
@@ -111,7 +116,7 @@ impl Index {
     /// Adds or replaces a Device. Subscribers are woken only if what the
     /// agent would be sent changed (a new uid or generation).
     pub fn upsert(&self, device: &Device) {
-        let Some((key, entry)) = IndexedDevice::from_device(device) else {
+        let Some((key, entry)) = Indexed::from_device(device) else {
             if device.metadata.deletion_timestamp.is_some() {
                 self.remove(&ResourceKey::device(
                     device.namespace().unwrap_or_default(),
@@ -146,7 +151,7 @@ impl Index {
         let devices: Vec<&Device> = devices.into_iter().collect();
         let keep: std::collections::HashSet<ResourceKey> = devices
             .iter()
-            .filter_map(|d| IndexedDevice::from_device(d).map(|(k, _)| k))
+            .filter_map(|d| Indexed::from_device(d).map(|(k, _)| k))
             .collect();
         let stale: Vec<ResourceKey> = {
             let inner = self.inner.lock().expect("index lock");
@@ -165,13 +170,53 @@ impl Index {
         }
     }
 
+    /// Puts rule `key` on exactly the nodes of `bodies`, each with its
+    /// body; subscribers are woken where a body's version changed.
+    pub fn put_rule(&self, key: &ResourceKey, bodies: BTreeMap<String, Indexed>) {
+        let mut inner = self.inner.lock().expect("index lock");
+        let before = inner.rule_nodes.remove(key).unwrap_or_default();
+        for node in before.iter().filter(|n| !bodies.contains_key(*n)) {
+            inner
+                .node(node)
+                .send_if_modified(|slice| slice.remove(key).is_some());
+        }
+        let nodes = bodies.keys().cloned().collect();
+        for (node, entry) in bodies {
+            inner.node(&node).send_if_modified(|slice| {
+                if slice.get(key).is_some_and(|e| e.version == entry.version) {
+                    return false;
+                }
+                slice.insert(key.clone(), Arc::new(entry));
+                true
+            });
+        }
+        inner.rule_nodes.insert(key.clone(), nodes);
+    }
+
+    /// Takes rule `key` off every node.
+    pub fn remove_rule(&self, key: &ResourceKey) {
+        self.put_rule(key, BTreeMap::new());
+        self.inner
+            .lock()
+            .expect("index lock")
+            .rule_nodes
+            .remove(key);
+    }
+
     /// The Devices of `node` now.
     pub fn devices_of(&self, node: &str) -> Vec<ResourceKey> {
         let inner = self.inner.lock().expect("index lock");
         inner
             .nodes
             .get(node)
-            .map(|slice| slice.borrow().keys().cloned().collect())
+            .map(|slice| {
+                slice
+                    .borrow()
+                    .keys()
+                    .filter(|k| k.is_device())
+                    .cloned()
+                    .collect()
+            })
             .unwrap_or_default()
     }
 
@@ -189,7 +234,7 @@ impl Index {
 #[derive(Debug, Default, PartialEq)]
 pub struct Difference {
     /// Resources the agent lacks or holds in another version.
-    pub upserts: Vec<(ResourceKey, Arc<IndexedDevice>)>,
+    pub upserts: Vec<(ResourceKey, Arc<Indexed>)>,
     /// Resources the agent holds that it should not.
     pub removals: Vec<ResourceKey>,
 }
@@ -203,8 +248,10 @@ impl Difference {
 
 /// The difference between what an agent holds and what it should hold.
 ///
-/// A held resource with the same uid and the same or a later generation is
-/// not resent; one with another uid (deleted and created again) is.
+/// A held Device with the same uid and the same or a later generation is
+/// not resent; one with another uid (deleted and created again) is. A rule
+/// is resent whenever its version differs: the version is a digest, not a
+/// count.
 pub fn difference(
     desired: &NodeSlice,
     held: &BTreeMap<ResourceKey, ResourceVersion>,
@@ -212,8 +259,10 @@ pub fn difference(
     let upserts = desired
         .iter()
         .filter(|(key, entry)| {
-            held.get(*key)
-                .is_none_or(|h| entry.version.is_newer_than(h))
+            held.get(*key).is_none_or(|h| match key.kind {
+                ResourceKind::Device => entry.version.is_newer_than(h),
+                ResourceKind::Rule => entry.version != *h,
+            })
         })
         .map(|(key, entry)| (key.clone(), Arc::clone(entry)))
         .collect();
@@ -354,6 +403,61 @@ pub(crate) mod tests {
         assert!(diff.removals.is_empty());
     }
 
+    fn rule_entry(digest: i64) -> Indexed {
+        Indexed {
+            version: ResourceVersion::new("rule-uid", digest),
+            body: resource::Body::Rule(proto::RuleDesired::default()),
+        }
+    }
+
+    #[test]
+    fn a_rule_sits_on_exactly_the_nodes_it_is_put_on() {
+        let index = Index::default();
+        index.upsert(&device("ns", "a", "edge-1", "ua", 1));
+        let key = ResourceKey::rule("ns", "overheat");
+        index.put_rule(
+            &key,
+            BTreeMap::from([
+                ("edge-1".into(), rule_entry(1)),
+                ("edge-2".into(), rule_entry(1)),
+            ]),
+        );
+        let mut one = index.subscribe("edge-1");
+        let mut two = index.subscribe("edge-2");
+        one.borrow_and_update();
+        two.borrow_and_update();
+        assert!(one.borrow().contains_key(&key) && two.borrow().contains_key(&key));
+        // Only the devices count as a node's devices.
+        assert_eq!(index.devices_of("edge-1"), [ResourceKey::device("ns", "a")]);
+
+        // edge-1's body changes, edge-2 leaves: edge-1 is woken with the new
+        // version, edge-2 loses the rule, and neither is woken for nothing.
+        index.put_rule(&key, BTreeMap::from([("edge-1".into(), rule_entry(2))]));
+        assert!(one.has_changed().unwrap() && two.has_changed().unwrap());
+        assert_eq!(one.borrow_and_update()[&key].version.generation, 2);
+        assert!(!two.borrow_and_update().contains_key(&key));
+        index.put_rule(&key, BTreeMap::from([("edge-1".into(), rule_entry(2))]));
+        assert!(!one.has_changed().unwrap());
+
+        index.remove_rule(&key);
+        assert!(!one.borrow_and_update().contains_key(&key));
+        assert_eq!(one.borrow().len(), 1);
+    }
+
+    #[test]
+    fn a_rule_is_resent_when_its_digest_differs_either_way() {
+        let index = Index::default();
+        let key = ResourceKey::rule("ns", "overheat");
+        index.put_rule(&key, BTreeMap::from([("edge-1".into(), rule_entry(5))]));
+        let slice = index.subscribe("edge-1").borrow().clone();
+        for held in [1, 9] {
+            let held = BTreeMap::from([(key.clone(), ResourceVersion::new("rule-uid", held))]);
+            assert_eq!(difference(&slice, &held).upserts.len(), 1, "held {held:?}");
+        }
+        let held = BTreeMap::from([(key.clone(), ResourceVersion::new("rule-uid", 5))]);
+        assert!(difference(&slice, &held).is_empty());
+    }
+
     proptest! {
         /// Applying the difference to what the agent holds yields exactly
         /// what it should hold, and nothing already current is resent.
@@ -364,9 +468,9 @@ pub(crate) mod tests {
         ) {
             let key = |n: &u8| ResourceKey::device("ns", format!("d{n}"));
             let slice: NodeSlice = desired.iter().map(|(n, (u, g))| {
-                let entry = IndexedDevice {
+                let entry = Indexed {
                     version: ResourceVersion::new(format!("u{u}"), *g),
-                    desired: proto::DeviceDesired::default(),
+                    body: resource::Body::Device(proto::DeviceDesired::default()),
                 };
                 (key(n), Arc::new(entry))
             }).collect();

@@ -1,30 +1,43 @@
 //! The EdgeRule reconciler: judges each rule the way its agents will (its
 //! `when` compiled, its selectors parsed) and shows the verdict as the
 //! `Accepted` condition, with the compiler's message when it is refused;
-//! counts the Devices it watches. Rules are distributed to the agents and
-//! evaluated there (see docs/rules.md for what is built).
+//! counts the Devices it watches.
+//!
+//! An accepted rule goes into the index once per node it concerns, with its
+//! selectors resolved to that node's Devices ([`node_bodies`]); the sync
+//! streams send each agent the difference. A refused or deleted rule leaves
+//! every node. The finalizer [`FINALIZER`] makes sure a deletion is seen.
+//! Device changes re-run every rule, so a relabelled Device joins or leaves
+//! the rules that select it.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use edgefleet_shared::api::rule::{EdgeRule, EdgeRuleSpec, EdgeRuleStatus};
 use edgefleet_shared::api::{Device, EdgeNode};
 use edgefleet_shared::rule_when::When;
+use edgefleet_shared::{ResourceKey, ResourceVersion, proto};
 use futures::{Stream, StreamExt};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams};
 use kube::core::{Selector, SelectorExt};
 use kube::runtime::controller::Action;
+use kube::runtime::finalizer::{self, finalizer};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::{Controller, watcher};
 use kube::{Api, Client, Resource, ResourceExt};
 
 use crate::events::{Events, Note};
+use crate::index::{Index, Indexed};
 use crate::status::StatusWriter;
 
 /// The field manager of the rule reconciler's status writes.
 pub const FIELD_MANAGER: &str = "edgefleet-rules";
+
+/// The finalizer on every rule the controller has seen.
+pub const FINALIZER: &str = "edgefleet.io/rule";
 
 /// What the reconciler works with.
 pub struct Context {
@@ -33,6 +46,7 @@ pub struct Context {
     edge_nodes: Store<EdgeNode>,
     budget: StatusWriter,
     events: Events,
+    index: Arc<Index>,
 }
 
 impl std::fmt::Debug for Context {
@@ -49,6 +63,7 @@ impl Context {
         edge_nodes: Store<EdgeNode>,
         budget: StatusWriter,
         events: Events,
+        index: Arc<Index>,
     ) -> Self {
         Context {
             client,
@@ -56,26 +71,42 @@ impl Context {
             edge_nodes,
             budget,
             events,
+            index,
         }
     }
 }
 
-/// Reconciles the EdgeRules of `api` until the process ends; every item of
-/// `device_changes` looks at all of them again (their device counts).
-pub async fn run(
+/// Starts reconciling the EdgeRules of `api`; every item of
+/// `device_changes` looks at all of them again. Returns once every rule
+/// listed is in the index (so an agent connecting after this is not told
+/// to drop its rules), with the reconciler to run until the process ends.
+pub async fn start(
     api: Api<EdgeRule>,
     context: Arc<Context>,
     device_changes: impl Stream<Item = ()> + Send + 'static,
-) {
-    Controller::new(api, watcher::Config::default())
+) -> anyhow::Result<impl Future<Output = ()> + Send + 'static> {
+    let controller = Controller::new(api, watcher::Config::default());
+    let rules = controller.store();
+    let running = controller
         .reconcile_all_on(device_changes)
-        .run(reconcile, error_policy, context)
+        .run(reconcile, error_policy, Arc::clone(&context))
         .for_each(|result| async move {
             if let Err(error) = result {
                 tracing::debug!(%error, "rule reconcile did not finish");
             }
-        })
-        .await;
+        });
+    let mut running = Box::pin(running);
+    // The store fills only while the controller runs.
+    tokio::select! {
+        ready = rules.wait_until_ready() => ready?,
+        () = &mut running => anyhow::bail!("the rule reconciler ended before it listed the rules"),
+    }
+    for rule in rules.state() {
+        if rule.metadata.deletion_timestamp.is_none() {
+            context.distribute(&rule);
+        }
+    }
+    Ok(running)
 }
 
 /// A failed write; the rule is looked at again shortly.
@@ -83,7 +114,7 @@ pub async fn run(
 #[error(transparent)]
 pub struct Error(#[from] kube::Error);
 
-fn error_policy(rule: Arc<EdgeRule>, error: &Error, _: Arc<Context>) -> Action {
+fn error_policy(rule: Arc<EdgeRule>, error: &finalizer::Error<Error>, _: Arc<Context>) -> Action {
     tracing::warn!(rule = %rule.name_any(), %error, "rule reconcile failed; retrying");
     Action::requeue(Duration::from_secs(2))
 }
@@ -102,6 +133,7 @@ pub struct Refusal {
 pub struct Judged {
     devices: Selector,
     nodes: Option<Selector>,
+    targets: Option<Selector>,
 }
 
 /// Judges `spec` as its agents will: its parsed selectors if they can run
@@ -117,10 +149,14 @@ pub fn judge(spec: &EdgeRuleSpec) -> Result<Judged, Refusal> {
             message: format!("{field}: {e}"),
         })
     };
-    if let Some(target) = &spec.then.target {
-        selector("spec.then.target", target)?;
-    }
+    let targets = spec
+        .then
+        .target
+        .as_ref()
+        .map(|t| selector("spec.then.target", t))
+        .transpose()?;
     Ok(Judged {
+        targets,
         devices: selector("spec.selector", &spec.selector)?,
         nodes: spec
             .node_selector
@@ -130,93 +166,202 @@ pub fn judge(spec: &EdgeRuleSpec) -> Result<Judged, Refusal> {
     })
 }
 
-async fn reconcile(rule: Arc<EdgeRule>, context: Arc<Context>) -> Result<Action, Error> {
-    if rule.metadata.deletion_timestamp.is_some() {
-        return Ok(Action::await_change());
-    }
-    let current = rule.status.clone().unwrap_or_default();
-    let mut status = EdgeRuleStatus {
-        observed_generation: rule.metadata.generation,
-        ..current.clone()
-    };
-    let accepted = match judge(&rule.spec) {
-        Ok(judged) => {
-            status.devices = context.watched(&rule, &judged);
-            condition(true, "Valid", String::new(), rule.metadata.generation)
+async fn reconcile(
+    rule: Arc<EdgeRule>,
+    context: Arc<Context>,
+) -> Result<Action, finalizer::Error<Error>> {
+    let api: Api<EdgeRule> = Api::namespaced(
+        context.client.clone(),
+        &rule.namespace().unwrap_or_default(),
+    );
+    finalizer(&api, FINALIZER, rule, |event| async {
+        match event {
+            finalizer::Event::Apply(rule) => context.judge(rule).await,
+            finalizer::Event::Cleanup(rule) => {
+                context.index.remove_rule(&key_of(&rule));
+                Ok(Action::await_change())
+            }
         }
-        Err(refusal) => {
-            status.devices = 0;
-            condition(
-                false,
-                refusal.reason,
-                refusal.message,
-                rule.metadata.generation,
-            )
-        }
-    };
-    let was = current
-        .conditions
-        .iter()
-        .find(|c| c.type_ == "Accepted")
-        .cloned();
-    crate::conditions::set(&mut status.conditions, accepted.clone());
-    if status != current {
-        let refused_now = accepted.status == "False"
-            && was
-                .as_ref()
-                .is_none_or(|w| w.status != "False" || w.message != accepted.message);
-        if refused_now {
-            context.events.publish(
-                rule.object_ref(&()),
-                Note {
-                    warning: true,
-                    reason: "Invalid",
-                    action: "Validate",
-                    text: accepted.message.clone(),
-                },
-            );
-        }
-        context.budget.spend().await;
-        let api: Api<EdgeRule> = Api::namespaced(
-            context.client.clone(),
-            &rule.namespace().unwrap_or_default(),
-        );
-        let patch = serde_json::json!({
-            "apiVersion": "edgefleet.io/v1alpha1",
-            "kind": "EdgeRule",
-            "status": status,
-        });
-        api.patch_status(
-            &rule.name_any(),
-            &PatchParams::apply(FIELD_MANAGER).force(),
-            &Patch::Apply(&patch),
-        )
-        .await?;
-    }
-    Ok(Action::await_change())
+    })
+    .await
+}
+
+fn key_of(rule: &EdgeRule) -> ResourceKey {
+    ResourceKey::rule(rule.namespace().unwrap_or_default(), rule.name_any())
 }
 
 impl Context {
-    /// How many Devices of the rule's namespace it watches.
-    fn watched(&self, rule: &EdgeRule, judged: &Judged) -> u32 {
-        let namespace = rule.namespace().unwrap_or_default();
-        let count = self
-            .devices
-            .state()
-            .iter()
-            .filter(|d| d.namespace().as_deref() == Some(namespace.as_str()))
-            .filter(|d| d.metadata.deletion_timestamp.is_none())
-            .filter(|d| judged.devices.matches(d.labels()))
-            .filter(|d| {
-                judged.nodes.as_ref().is_none_or(|s| {
-                    self.edge_nodes
-                        .get(&ObjectRef::new(&d.spec.node))
-                        .is_some_and(|n| s.matches(n.labels()))
-                })
+    /// Puts `rule` on the nodes it concerns, or takes it off them all if
+    /// it is refused; how many Devices it watches.
+    fn distribute(&self, rule: &EdgeRule) -> u32 {
+        let key = key_of(rule);
+        let Ok(judged) = judge(&rule.spec) else {
+            self.index.remove_rule(&key);
+            return 0;
+        };
+        let devices = self.devices.state();
+        let bodies = node_bodies(rule, &judged, &devices, |node| {
+            self.edge_nodes
+                .get(&ObjectRef::new(node))
+                .map(|n| n.labels().clone())
+        });
+        let watched = bodies
+            .values()
+            .map(|b| match &b.body {
+                proto::resource::Body::Rule(r) => r.watched.len(),
+                proto::resource::Body::Device(_) => 0,
             })
-            .count();
-        u32::try_from(count).unwrap_or(u32::MAX)
+            .sum::<usize>();
+        self.index.put_rule(&key, bodies);
+        u32::try_from(watched).unwrap_or(u32::MAX)
     }
+
+    async fn judge(&self, rule: Arc<EdgeRule>) -> Result<Action, Error> {
+        let context = self;
+        let current = rule.status.clone().unwrap_or_default();
+        let mut status = EdgeRuleStatus {
+            observed_generation: rule.metadata.generation,
+            ..current.clone()
+        };
+        let devices = context.distribute(&rule);
+        let accepted = match judge(&rule.spec) {
+            Ok(_) => {
+                status.devices = devices;
+                condition(true, "Valid", String::new(), rule.metadata.generation)
+            }
+            Err(refusal) => {
+                status.devices = 0;
+                condition(
+                    false,
+                    refusal.reason,
+                    refusal.message,
+                    rule.metadata.generation,
+                )
+            }
+        };
+        let was = current
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Accepted")
+            .cloned();
+        crate::conditions::set(&mut status.conditions, accepted.clone());
+        if status != current {
+            let refused_now = accepted.status == "False"
+                && was
+                    .as_ref()
+                    .is_none_or(|w| w.status != "False" || w.message != accepted.message);
+            if refused_now {
+                context.events.publish(
+                    rule.object_ref(&()),
+                    Note {
+                        warning: true,
+                        reason: "Invalid",
+                        action: "Validate",
+                        text: accepted.message.clone(),
+                    },
+                );
+            }
+            context.budget.spend().await;
+            let api: Api<EdgeRule> = Api::namespaced(
+                context.client.clone(),
+                &rule.namespace().unwrap_or_default(),
+            );
+            let patch = serde_json::json!({
+                "apiVersion": "edgefleet.io/v1alpha1",
+                "kind": "EdgeRule",
+                "status": status,
+            });
+            api.patch_status(
+                &rule.name_any(),
+                &PatchParams::apply(FIELD_MANAGER).force(),
+                &Patch::Apply(&patch),
+            )
+            .await?;
+        }
+        Ok(Action::await_change())
+    }
+}
+
+/// What each node's agent must hold of an accepted `rule`: its spec with
+/// the devices of that node it watches (with their labels, for `when`) and
+/// those its `then.target` selects, under a version that changes whenever
+/// the body does. Nodes without a watched device get nothing.
+pub fn node_bodies(
+    rule: &EdgeRule,
+    judged: &Judged,
+    devices: &[Arc<Device>],
+    node_labels: impl Fn(&str) -> Option<BTreeMap<String, String>>,
+) -> BTreeMap<String, Indexed> {
+    let namespace = rule.namespace().unwrap_or_default();
+    let spec = &rule.spec;
+    let ours: Vec<&Device> = devices
+        .iter()
+        .map(AsRef::as_ref)
+        .filter(|d| d.namespace().as_deref() == Some(namespace.as_str()))
+        .filter(|d| d.metadata.deletion_timestamp.is_none())
+        .collect();
+    let mut bodies: BTreeMap<String, proto::RuleDesired> = BTreeMap::new();
+    for device in ours.iter().filter(|d| judged.devices.matches(d.labels())) {
+        let node = &device.spec.node;
+        if let Some(nodes) = &judged.nodes
+            && !node_labels(node).is_some_and(|labels| nodes.matches(&labels))
+        {
+            continue;
+        }
+        let body = bodies
+            .entry(node.clone())
+            .or_insert_with(|| proto::RuleDesired {
+                namespace: namespace.clone(),
+                name: rule.name_any(),
+                when: spec.when.clone(),
+                for_seconds: spec.for_seconds,
+                cooldown_seconds: spec.cooldown_seconds,
+                set: spec
+                    .then
+                    .set
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.into()))
+                    .collect(),
+                set_on_targets: spec.then.target.is_some(),
+                targets: Vec::new(),
+                event: spec.then.event.as_ref().map(|e| proto::RuleEvent {
+                    r#type: if e.warning {
+                        proto::EventType::Warning
+                    } else {
+                        proto::EventType::Normal
+                    } as i32,
+                    reason: e.reason.clone(),
+                    message: e.message.clone(),
+                }),
+                restore: spec.restore,
+                priority: spec.priority,
+                max_actions_per_minute: spec.max_actions_per_minute,
+                watched: Vec::new(),
+            });
+        body.watched.push(proto::WatchedDevice {
+            name: device.name_any(),
+            labels: device.labels().clone(),
+        });
+    }
+    if let Some(target) = &judged.targets {
+        for device in ours.iter().filter(|d| target.matches(d.labels())) {
+            if let Some(body) = bodies.get_mut(&device.spec.node) {
+                body.targets.push(device.name_any());
+            }
+        }
+    }
+    let uid = rule.uid().unwrap_or_default();
+    bodies
+        .into_iter()
+        .map(|(node, body)| {
+            let version = ResourceVersion::new(uid.clone(), body.digest());
+            let entry = Indexed {
+                version,
+                body: proto::resource::Body::Rule(body),
+            };
+            (node, entry)
+        })
+        .collect()
 }
 
 fn condition(accepted: bool, reason: &str, message: String, generation: Option<i64>) -> Condition {
@@ -272,5 +417,96 @@ mod tests {
             refused.message.starts_with("spec.then.target"),
             "{refused:?}"
         );
+    }
+
+    fn device(name: &str, node: &str, labels: &[(&str, &str)]) -> Arc<Device> {
+        let mut d = crate::index::tests::device("plant", name, node, &format!("u-{name}"), 1);
+        d.metadata.labels = Some(
+            labels
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+        );
+        Arc::new(d)
+    }
+
+    fn rule(spec: EdgeRuleSpec) -> EdgeRule {
+        let mut rule = EdgeRule::new("overheat", spec);
+        rule.metadata.namespace = Some("plant".into());
+        rule.metadata.uid = Some("rule-uid".into());
+        rule
+    }
+
+    fn rule_body(entry: &Indexed) -> &proto::RuleDesired {
+        match &entry.body {
+            proto::resource::Body::Rule(r) => r,
+            proto::resource::Body::Device(_) => panic!("a rule's body"),
+        }
+    }
+
+    #[test]
+    fn each_node_gets_the_rule_resolved_to_its_own_devices() {
+        let mut spec = spec("reported.temperature > 80.0");
+        spec.then.target = Some(LabelSelector {
+            match_labels: Some([("role".to_owned(), "valve".to_owned())].into()),
+            match_expressions: None,
+        });
+        let rule = rule(spec);
+        let devices = [
+            device("t1", "edge-1", &[("model", "thermostat")]),
+            device("t2", "edge-2", &[("model", "thermostat")]),
+            device("v1", "edge-1", &[("role", "valve")]),
+            device("v2", "edge-2", &[("role", "valve")]),
+            device("v3", "edge-3", &[("role", "valve")]),
+            device("m3", "edge-3", &[("model", "meter")]),
+        ];
+        let judged = judge(&rule.spec).unwrap();
+        let bodies = node_bodies(&rule, &judged, &devices, |_| None);
+        // edge-3 watches nothing: it gets nothing, valve or not.
+        assert_eq!(bodies.keys().collect::<Vec<_>>(), ["edge-1", "edge-2"]);
+        let one = rule_body(&bodies["edge-1"]);
+        assert_eq!(one.watched.len(), 1);
+        assert_eq!(one.watched[0].name, "t1");
+        assert_eq!(one.watched[0].labels["model"], "thermostat");
+        assert!(one.set_on_targets);
+        assert_eq!(one.targets, ["v1"]);
+        assert_eq!(rule_body(&bodies["edge-2"]).targets, ["v2"]);
+        assert_eq!(bodies["edge-1"].version.uid, "rule-uid");
+
+        // The same inputs give the same versions; a change of what a node
+        // must do changes its version only.
+        let again = node_bodies(&rule, &judged, &devices, |_| None);
+        assert_eq!(again, bodies);
+        let mut relabelled = devices.to_vec();
+        relabelled[1] = device("t2", "edge-2", &[("model", "thermostat"), ("floor", "2")]);
+        let changed = node_bodies(&rule, &judged, &relabelled, |_| None);
+        assert_eq!(changed["edge-1"].version, bodies["edge-1"].version);
+        assert_ne!(changed["edge-2"].version, bodies["edge-2"].version);
+    }
+
+    #[test]
+    fn a_node_selector_limits_the_rule_to_the_nodes_it_selects() {
+        let mut spec = spec("online");
+        spec.node_selector = Some(LabelSelector {
+            match_labels: Some([("site".to_owned(), "north".to_owned())].into()),
+            match_expressions: None,
+        });
+        let rule = rule(spec);
+        let devices = [
+            device("t1", "edge-1", &[("model", "thermostat")]),
+            device("t2", "edge-2", &[("model", "thermostat")]),
+        ];
+        let judged = judge(&rule.spec).unwrap();
+        let bodies = node_bodies(&rule, &judged, &devices, |node| {
+            Some(
+                [(
+                    "site".to_owned(),
+                    if node == "edge-1" { "north" } else { "south" }.to_owned(),
+                )]
+                .into(),
+            )
+        });
+        assert_eq!(bodies.keys().collect::<Vec<_>>(), ["edge-1"]);
+        assert!(!rule_body(&bodies["edge-1"]).set_on_targets);
     }
 }

@@ -143,16 +143,21 @@ impl Controller {
             edge_nodes.clone(),
             status.clone(),
             events.clone(),
+            Arc::clone(&index),
         );
         let rules_api = match &settings.namespace {
             Some(namespace) => Api::<EdgeRule>::namespaced(client.clone(), namespace),
             None => Api::<EdgeRule>::all(client.clone()),
         };
-        tasks.spawn(crate::rules::run(
+        // Before the sync server starts: an agent is never told to drop
+        // its rules because the controller had not read them yet.
+        let rules = crate::rules::start(
             rules_api,
             Arc::new(rules),
             throttled(device_changes.clone(), RULES_TRIGGER_PERIOD),
-        ));
+        )
+        .await?;
+        tasks.spawn(rules);
         tasks.spawn(crate::rollout::run(
             rollouts_api,
             Arc::new(rollouts),

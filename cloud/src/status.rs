@@ -35,7 +35,7 @@ use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Api, Client};
 use tokio::sync::{Notify, mpsc};
 
-use crate::events::{Events, Note, device_reference};
+use crate::events::{Events, Note, resource_reference};
 
 /// Status writes on their way at once (each for another device).
 pub const CONCURRENT_WRITES: usize = 8;
@@ -503,7 +503,7 @@ impl StatusWriter {
                     |s: &DeviceStatus| s.applied_generation.is_some_and(|a| a >= generation);
                 if applied(&next) && !applied(&base) {
                     self.inner.events.publish(
-                        device_reference(key, &uid),
+                        resource_reference(key, &uid),
                         Note {
                             warning: false,
                             reason: "Applied",

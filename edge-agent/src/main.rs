@@ -126,6 +126,8 @@ async fn main() -> anyhow::Result<()> {
     );
     let devices = Gauge::<i64>::default();
     registry.register("devices", "Devices the agent holds", devices.clone());
+    let rules = Gauge::<i64>::default();
+    registry.register("rules", "EdgeRules the agent holds", rules.clone());
     let last_seq = Gauge::<i64>::default();
     registry.register(
         "uplink_last_seq",
@@ -249,6 +251,7 @@ async fn main() -> anyhow::Result<()> {
                 }
                 outbox_depth.set(store.outbox_depth() as i64);
                 devices.set(store.device_count() as i64);
+                rules.set(store.rule_count() as i64);
                 events_queued.set(store.events_queued() as i64);
                 last_seq.set(store.last_seq().map(|n| n as i64).unwrap_or(-1));
                 oldest_pending.set(match store.oldest_pending_seq() {

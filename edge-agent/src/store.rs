@@ -38,9 +38,10 @@ use edgefleet_shared::api::Transport;
 use edgefleet_shared::codec::{DesiredState, DeviceEvent, DeviceReport, FirmwareOrder};
 use edgefleet_shared::health_check::{self, HealthCheck, HealthState};
 use edgefleet_shared::health_gate::HealthGate;
+use edgefleet_shared::key::ResourceKind;
 pub use edgefleet_shared::proto::Flow;
 use edgefleet_shared::site_rollback::{self, EdgeRollback, SiteRollback};
-use edgefleet_shared::{PropertyValue, ResourceKey, ResourceVersion};
+use edgefleet_shared::{PropertyValue, ResourceKey, ResourceVersion, proto};
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 use sled::Transactional;
 use sled::transaction::{
@@ -118,6 +119,59 @@ impl DesiredDevice {
             properties: self.properties.clone(),
             firmware: self.firmware.clone(),
         }
+    }
+}
+
+/// An EdgeRule as this node's agent holds it (see `proto::RuleDesired`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct HeldRule {
+    /// The rule's uid and body digest.
+    pub version: ResourceVersion,
+    /// The rule, resolved to this node's devices.
+    pub rule: proto::RuleDesired,
+}
+
+impl HeldRule {
+    // Kept as the protocol's own encoding of the Resource.
+    fn encode(&self, key: &ResourceKey) -> Vec<u8> {
+        use prost::Message;
+        proto::Resource {
+            key: key.to_string(),
+            version: Some((&self.version).into()),
+            body: Some(proto::resource::Body::Rule(self.rule.clone())),
+        }
+        .encode_to_vec()
+    }
+
+    fn decode(key: &[u8], bytes: &[u8]) -> Result<Self, StoreError> {
+        use prost::Message;
+        let corrupt = |reason: String| StoreError::Corrupt {
+            key: String::from_utf8_lossy(key).into_owned(),
+            reason,
+        };
+        let resource = proto::Resource::decode(bytes).map_err(|e| corrupt(e.to_string()))?;
+        match (resource.version, resource.body) {
+            (Some(version), Some(proto::resource::Body::Rule(rule))) => Ok(HeldRule {
+                version: (&version).into(),
+                rule,
+            }),
+            _ => Err(corrupt("not a rule".into())),
+        }
+    }
+}
+
+/// A resource of an update, as the store keeps it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Desired {
+    /// A Device's desired state.
+    Device(Box<DesiredDevice>),
+    /// An EdgeRule.
+    Rule(Box<HeldRule>),
+}
+
+impl From<DesiredDevice> for Desired {
+    fn from(device: DesiredDevice) -> Self {
+        Desired::Device(Box::new(device))
     }
 }
 
@@ -455,6 +509,8 @@ pub struct Store {
     flusher: GroupFlush,
     db: sled::Db,
     desired: sled::Tree,
+    // Rules by key (see HeldRule).
+    rules: sled::Tree,
     reported: sled::Tree,
     // The reports flow of the outbox: device names by sequence number.
     reports_out: sled::Tree,
@@ -783,6 +839,7 @@ impl Store {
             desired_changes: broadcast::Sender::new(DESIRED_CHANGES_BUFFER),
             flusher: GroupFlush::start(db.clone(), seqs, files),
             desired: tree("desired")?,
+            rules: tree("rules")?,
             reported: tree("reported")?,
             reports_out: tree(REPORTS_TREE)?,
             events_out: tree(EVENTS_TREE)?,
@@ -986,6 +1043,7 @@ impl Store {
 
     fn is_empty(&self) -> bool {
         self.desired.is_empty()
+            && self.rules.is_empty()
             && self.reported.is_empty()
             && self.reports_out.is_empty()
             && self.events_out.is_empty()
@@ -1008,8 +1066,25 @@ impl Store {
 
     /// Every resource the agent holds, with its version: the Hello's content.
     pub fn held(&self) -> Result<Vec<(ResourceKey, ResourceVersion)>, StoreError> {
-        self.devices()
-            .map(|devices| devices.into_iter().map(|(k, d)| (k, d.version)).collect())
+        let devices = self.devices()?.into_iter().map(|(k, d)| (k, d.version));
+        let rules = self.rules()?.into_iter().map(|(k, r)| (k, r.version));
+        Ok(devices.chain(rules).collect())
+    }
+
+    /// Every rule the agent holds, in key order.
+    pub fn rules(&self) -> Result<Vec<(ResourceKey, HeldRule)>, StoreError> {
+        self.rules
+            .iter()
+            .map(|item| {
+                let (k, v) = item?;
+                Ok((parse_key(&k)?, HeldRule::decode(&k, &v)?))
+            })
+            .collect()
+    }
+
+    /// How many rules the agent holds.
+    pub fn rule_count(&self) -> usize {
+        self.rules.len()
     }
 
     /// How many devices the agent holds (counts keys, decodes nothing).
@@ -1039,53 +1114,70 @@ impl Store {
 
     /// Applies an update from the cloud atomically and makes it durable.
     /// Only after this returns may the update be acknowledged.
-    pub async fn apply(
+    pub async fn apply<D: Clone + Into<Desired>>(
         &self,
-        upserts: &[(ResourceKey, DesiredDevice)],
+        upserts: &[(ResourceKey, D)],
         removals: &[ResourceKey],
     ) -> Result<(), StoreError> {
         // A device that leaves the node, or whose Device is replaced by
         // another object under the same name, starts afresh: its latest
         // report (and that report's outbox entry) and the event ids it
         // used are about the object that is gone.
-        let mut leaving: Vec<String> = removals.iter().map(|k| k.to_string()).collect();
-        for (key, device) in upserts {
-            if self
-                .desired(key)?
-                .is_some_and(|held| held.version.uid != device.version.uid)
-            {
-                leaving.push(key.to_string());
+        let mut leaving: Vec<String> = removals
+            .iter()
+            .filter(|k| k.is_device())
+            .map(|k| k.to_string())
+            .collect();
+        let mut devices = Vec::new();
+        let mut rules = Vec::new();
+        for (key, desired) in upserts {
+            match desired.clone().into() {
+                Desired::Device(device) => {
+                    if self
+                        .desired(key)?
+                        .is_some_and(|held| held.version.uid != device.version.uid)
+                    {
+                        leaving.push(key.to_string());
+                    }
+                    devices.push((key.to_string(), encode(&*device)));
+                }
+                Desired::Rule(rule) => rules.push((key.to_string(), rule.encode(key))),
             }
         }
-        let upserts: Vec<(String, Vec<u8>)> = upserts
-            .iter()
-            .map(|(key, device)| (key.to_string(), encode(device)))
-            .collect();
+        let upserts = devices;
         // Entries leave the outbox: the outbox's writers take turns.
         let outbox_state = self.lock_outbox();
         let trees = (
             &self.desired,
+            &self.rules,
             &self.reported,
             &self.reports_out,
             &self.event_ids,
         );
-        let result = trees.transaction(|(desired, reported, reports_out, event_ids)| {
-            for (key, device) in &upserts {
-                desired.insert(key.as_bytes(), device.as_slice())?;
-            }
-            for key in removals {
-                desired.remove(key.to_string().as_bytes())?;
-            }
-            for key in &leaving {
-                if let Some(bytes) = reported.remove(key.as_bytes())? {
-                    let previous: LatestReport = decode(key.as_bytes(), &bytes)
-                        .map_err(ConflictableTransactionError::Abort)?;
-                    reports_out.remove(&previous.seq.to_be_bytes())?;
+        let result =
+            trees.transaction(|(desired, held_rules, reported, reports_out, event_ids)| {
+                for (key, device) in &upserts {
+                    desired.insert(key.as_bytes(), device.as_slice())?;
                 }
-                event_ids.remove(key.as_bytes())?;
-            }
-            Ok(())
-        });
+                for (key, rule) in &rules {
+                    held_rules.insert(key.as_bytes(), rule.as_slice())?;
+                }
+                for key in removals {
+                    match key.kind {
+                        ResourceKind::Device => desired.remove(key.to_string().as_bytes())?,
+                        ResourceKind::Rule => held_rules.remove(key.to_string().as_bytes())?,
+                    };
+                }
+                for key in &leaving {
+                    if let Some(bytes) = reported.remove(key.as_bytes())? {
+                        let previous: LatestReport = decode(key.as_bytes(), &bytes)
+                            .map_err(ConflictableTransactionError::Abort)?;
+                        reports_out.remove(&previous.seq.to_be_bytes())?;
+                    }
+                    event_ids.remove(key.as_bytes())?;
+                }
+                Ok(())
+            });
         result.map_err(from_transaction)?;
         drop(outbox_state);
         self.flusher.flush().await?;
@@ -1095,7 +1187,7 @@ impl Store {
                 .iter()
                 .map(|(k, _)| k.parse().expect("keys were ResourceKeys"))
                 .collect(),
-            removed: removals.to_vec(),
+            removed: removals.iter().filter(|k| k.is_device()).cloned().collect(),
         });
         Ok(())
     }

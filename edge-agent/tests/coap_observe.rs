@@ -84,7 +84,10 @@ impl Agent {
     }
 
     async fn remove(&self, name: &str) {
-        self.store.apply(&[], &[key(name)]).await.unwrap();
+        self.store
+            .apply::<DesiredDevice>(&[], &[key(name)])
+            .await
+            .unwrap();
     }
 
     async fn eventually_observers(&self, n: i64) {

@@ -123,7 +123,10 @@ async fn desired_state_is_published_retained_and_reports_are_stored() {
     assert_eq!(second.properties["setpoint"], PropertyValue::Float(22.5));
 
     // A deleted device's retained state is cleared with an empty message.
-    store.apply(&[], std::slice::from_ref(&b)).await.unwrap();
+    store
+        .apply::<DesiredDevice>(&[], std::slice::from_ref(&b))
+        .await
+        .unwrap();
     assert!(
         next_publish(&mut device_events, &topics::desired(NODE, &b))
             .await

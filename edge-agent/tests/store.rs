@@ -7,8 +7,8 @@
 use std::collections::BTreeMap;
 
 use edgefleet_agent::store::{
-    BOOTS_REMEMBERED, DesiredDevice, Dropped, EventOutcome, Flow, PendingUplink, SEQ_BLOCK, Store,
-    StoreError,
+    BOOTS_REMEMBERED, Desired, DesiredDevice, Dropped, EventOutcome, Flow, HeldRule, PendingUplink,
+    SEQ_BLOCK, Store, StoreError,
 };
 use edgefleet_shared::api::Transport;
 use edgefleet_shared::codec::{DeviceEvent, DeviceReport};
@@ -40,6 +40,59 @@ fn open(dir: &std::path::Path) -> Store {
     let opened = Store::open(dir).unwrap();
     assert!(opened.moved_aside.is_none(), "{:?}", opened.moved_aside);
     opened.store
+}
+
+#[tokio::test]
+async fn rules_are_held_beside_devices_survive_a_reopen_and_leave_alone() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("store");
+    let device = ResourceKey::device("plant", "a");
+    let rule = ResourceKey::rule("plant", "overheat");
+    let held_rule = HeldRule {
+        version: ResourceVersion::new("rule-uid", 4242),
+        rule: edgefleet_shared::proto::RuleDesired {
+            namespace: "plant".into(),
+            name: "overheat".into(),
+            when: "reported.temperature > 80.0".into(),
+            ..Default::default()
+        },
+    };
+    {
+        let store = open(&dir);
+        let mut changes = store.watch_desired();
+        store
+            .apply(
+                &[
+                    (device.clone(), Desired::from(thermostat("ua", 1, 20.0))),
+                    (rule.clone(), Desired::Rule(Box::new(held_rule.clone()))),
+                ],
+                &[],
+            )
+            .await
+            .unwrap();
+        // The device publishers hear of the device only.
+        assert_eq!(changes.recv().await.unwrap().upserted, vec![device.clone()]);
+    }
+    let store = open(&dir);
+    assert_eq!(store.rules().unwrap(), [(rule.clone(), held_rule.clone())]);
+    assert_eq!(store.device_count(), 1);
+    assert_eq!(store.rule_count(), 1);
+    let held: BTreeMap<_, _> = store.held().unwrap().into_iter().collect();
+    assert_eq!(held[&rule], held_rule.version);
+    assert_eq!(held[&device], ResourceVersion::new("ua", 1));
+
+    // Removing the rule leaves the device, its report included.
+    store
+        .record_report(&device, report(1, 21.0), 1_000)
+        .await
+        .unwrap();
+    store
+        .apply::<DesiredDevice>(&[], std::slice::from_ref(&rule))
+        .await
+        .unwrap();
+    assert_eq!(store.rule_count(), 0);
+    assert!(store.desired(&device).unwrap().is_some());
+    assert!(store.latest_report(&device).unwrap().is_some());
 }
 
 #[tokio::test]
@@ -643,7 +696,10 @@ async fn reports_and_events_name_the_object_they_are_about_and_start_afresh_when
     assert_eq!(latest.uid, "new");
 
     // Removed from the node: its report state goes too.
-    store.apply(&[], std::slice::from_ref(&a)).await.unwrap();
+    store
+        .apply::<DesiredDevice>(&[], std::slice::from_ref(&a))
+        .await
+        .unwrap();
     assert!(store.latest_report(&a).unwrap().is_none());
 }
 

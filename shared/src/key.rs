@@ -8,12 +8,15 @@ use std::str::FromStr;
 pub enum ResourceKind {
     /// A [`crate::api::Device`].
     Device,
+    /// A [`crate::api::rule::EdgeRule`], as one node's agent needs it.
+    Rule,
 }
 
 impl ResourceKind {
     fn as_str(self) -> &'static str {
         match self {
             ResourceKind::Device => "device",
+            ResourceKind::Rule => "rule",
         }
     }
 }
@@ -39,6 +42,20 @@ impl ResourceKey {
             name: name.into(),
         }
     }
+
+    /// The key of an EdgeRule.
+    pub fn rule(namespace: impl Into<String>, name: impl Into<String>) -> Self {
+        ResourceKey {
+            kind: ResourceKind::Rule,
+            namespace: namespace.into(),
+            name: name.into(),
+        }
+    }
+
+    /// Whether this is a Device's key.
+    pub fn is_device(&self) -> bool {
+        self.kind == ResourceKind::Device
+    }
 }
 
 impl fmt::Display for ResourceKey {
@@ -49,7 +66,9 @@ impl fmt::Display for ResourceKey {
 
 /// A string that is not `<kind>/<namespace>/<name>` with a known kind.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
-#[error("{0:?} is not a resource key of the form device/<namespace>/<name>")]
+#[error(
+    "{0:?} is not a resource key of the form device/<namespace>/<name> or rule/<namespace>/<name>"
+)]
 pub struct ResourceKeyError(String);
 
 impl FromStr for ResourceKey {
@@ -68,6 +87,7 @@ impl FromStr for ResourceKey {
         }
         let kind = match kind {
             "device" => ResourceKind::Device,
+            "rule" => ResourceKind::Rule,
             _ => return Err(err()),
         };
         Ok(ResourceKey {
@@ -90,6 +110,9 @@ mod tests {
             "device/plant-a/thermostat-17".parse::<ResourceKey>(),
             Ok(key)
         );
+        let rule = ResourceKey::rule("plant-a", "overheat");
+        assert_eq!(rule.to_string(), "rule/plant-a/overheat");
+        assert_eq!("rule/plant-a/overheat".parse::<ResourceKey>(), Ok(rule));
     }
 
     #[test]

@@ -54,6 +54,20 @@ impl UplinkAck {
     }
 }
 
+impl RuleDesired {
+    /// The version's second half for this body: the first 63 bits of
+    /// SHA-256 over its encoding, which is deterministic (the protocol's
+    /// maps are ordered), so equal bodies have equal digests.
+    pub fn digest(&self) -> i64 {
+        use prost::Message;
+        use sha2::{Digest, Sha256};
+        let hash = Sha256::digest(self.encode_to_vec());
+        let mut first = [0; 8];
+        first.copy_from_slice(&hash[..8]);
+        i64::from_be_bytes(first) & i64::MAX
+    }
+}
+
 use crate::property::PropertyValue as Value;
 use crate::version::ResourceVersion as Version;
 

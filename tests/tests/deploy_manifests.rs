@@ -504,6 +504,8 @@ async fn the_controller_may_do_what_it_does_and_nothing_else() {
         // The EdgeRule reconciler.
         ("list", "edgefleet.io", "edgerules", None),
         ("watch", "edgefleet.io", "edgerules", None),
+        // Its finalizer edgefleet.io/rule.
+        ("patch", "edgefleet.io", "edgerules", some_ns),
         ("patch", "edgefleet.io", "edgerules/status", some_ns),
         ("create", "", "events", some_ns),
         ("patch", "", "events", some_ns),
@@ -529,7 +531,8 @@ async fn the_controller_may_do_what_it_does_and_nothing_else() {
         ("delete", "edgefleet.io", "fleetrollouts", some_ns),
         // Rules too.
         ("create", "edgefleet.io", "edgerules", some_ns),
-        ("patch", "edgefleet.io", "edgerules", some_ns),
+        ("update", "edgefleet.io", "edgerules", some_ns),
+        ("delete", "edgefleet.io", "edgerules", some_ns),
         ("delete", "events.k8s.io", "events", some_ns),
         ("list", "", "events", some_ns),
         ("get", "", "secrets", own_ns),

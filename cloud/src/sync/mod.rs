@@ -18,6 +18,7 @@ use std::time::Duration;
 use edgefleet_shared::ResourceKey;
 use edgefleet_shared::api::Device;
 use edgefleet_shared::heartbeat::{Heartbeat, PeerWatch};
+use edgefleet_shared::key::ResourceKind;
 use edgefleet_shared::proto::{self, agent_message, cloud_message};
 use edgefleet_shared::telemetry::Outcomes;
 use kube::runtime::reflector;
@@ -30,7 +31,7 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::agents::{Agents, delivered_to};
 use crate::device_events::DeviceEvents;
 use crate::edge_node::NodeStatus;
-use crate::events::{Events, Note, device_reference};
+use crate::events::{Events, Note, resource_reference};
 use crate::index::{Index, NodeSlice};
 use crate::status::{Completion, StatusChange, StatusWriter};
 
@@ -460,7 +461,13 @@ impl Driver {
                     }
                     // Devices marked unreachable while the node was away
                     // are back (a change that alters nothing costs no write).
-                    let devices: Vec<ResourceKey> = self.desired.borrow().keys().cloned().collect();
+                    let devices: Vec<ResourceKey> = self
+                        .desired
+                        .borrow()
+                        .keys()
+                        .filter(|k| k.is_device())
+                        .cloned()
+                        .collect();
                     for key in devices {
                         self.status.submit(key, StatusChange::NodeReachable, None);
                     }
@@ -468,7 +475,8 @@ impl Driver {
                 Effect::Stored { upserts, removals } => {
                     self.agents
                         .acknowledged(&self.node, self.id, &upserts, &removals);
-                    for (key, version) in upserts {
+                    // A rule's delivery is no Device's status.
+                    for (key, version) in upserts.into_iter().filter(|(k, _)| k.is_device()) {
                         let change = StatusChange::Delivered {
                             uid: version.uid,
                             generation: version.generation,
@@ -477,7 +485,7 @@ impl Driver {
                     }
                 }
                 Effect::Holds(held) => {
-                    for (key, version) in held {
+                    for (key, version) in held.into_iter().filter(|(k, _)| k.is_device()) {
                         let change = StatusChange::Delivered {
                             uid: version.uid,
                             generation: version.generation,
@@ -491,18 +499,25 @@ impl Driver {
                     reason,
                 } => {
                     tracing::warn!(node = %self.node, %key, %version, %reason, "agent refused a resource");
+                    let what = match key.kind {
+                        ResourceKind::Device => format!("generation {}", version.generation),
+                        ResourceKind::Rule => "the rule".to_owned(),
+                    };
                     self.events.publish(
-                        device_reference(&key, &version.uid),
+                        resource_reference(&key, &version.uid),
                         Note {
                             warning: true,
                             reason: "RejectedByAgent",
                             action: "Deliver",
                             text: format!(
-                                "the agent of node {} refused generation {}: {reason}",
-                                self.node, version.generation
+                                "the agent of node {} refused {what}: {reason}",
+                                self.node
                             ),
                         },
                     );
+                    if !key.is_device() {
+                        continue;
+                    }
                     let change = StatusChange::Rejected {
                         uid: version.uid,
                         generation: version.generation,

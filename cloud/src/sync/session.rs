@@ -23,7 +23,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use edgefleet_shared::api::ReportOrigin;
 use edgefleet_shared::codec::WireMessage;
 use edgefleet_shared::holdings::HoldingsDigest;
-use edgefleet_shared::proto::{self, Flow, agent_message, cloud_message, resource, uplink_entry};
+use edgefleet_shared::proto::{self, Flow, agent_message, cloud_message, uplink_entry};
 use edgefleet_shared::{ResourceKey, ResourceVersion};
 
 use crate::device_events::{DeviceEvent, DroppedNotice};
@@ -351,7 +351,7 @@ impl Session {
                 update.upserts.push(proto::Resource {
                     key: key.to_string(),
                     version: Some((&entry.version).into()),
-                    body: Some(resource::Body::Device(entry.desired.clone())),
+                    body: Some(entry.body.clone()),
                 });
                 self.sent.insert(key.clone(), entry.version.clone());
                 carried.upserts.push((key, entry.version.clone()));
@@ -708,7 +708,8 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::index::IndexedDevice;
+    use crate::index::Indexed;
+    use edgefleet_shared::proto::resource;
 
     fn key(name: &str) -> ResourceKey {
         ResourceKey::device("plant", name)
@@ -718,15 +719,15 @@ mod tests {
         devices
             .iter()
             .map(|(name, generation)| {
-                let entry = IndexedDevice {
+                let entry = Indexed {
                     version: ResourceVersion::new(format!("uid-{name}"), *generation),
-                    desired: proto::DeviceDesired {
+                    body: resource::Body::Device(proto::DeviceDesired {
                         namespace: "plant".into(),
                         name: (*name).into(),
                         model: "thermostat".into(),
                         transport: proto::Transport::Coap as i32,
                         ..Default::default()
-                    },
+                    }),
                 };
                 (key(name), Arc::new(entry))
             })

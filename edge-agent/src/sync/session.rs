@@ -16,18 +16,19 @@ use edgefleet_shared::api::Transport;
 use edgefleet_shared::codec::FirmwareOrder;
 use edgefleet_shared::health_check::{HealthCheck, HealthStage};
 use edgefleet_shared::holdings::HoldingsDigest;
+use edgefleet_shared::key::ResourceKind;
 use edgefleet_shared::proto::{self, Flow, agent_message, cloud_message, resource, uplink_entry};
 use edgefleet_shared::{PropertyValue, ResourceKey, ResourceVersion};
 
-use crate::store::{DesiredDevice, PendingUplink};
+use crate::store::{Desired, DesiredDevice, HeldRule, PendingUplink};
 
 /// What the driver is to do with a message from the cloud.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Step {
     /// Store these upserts and removals durably, then send `reply`.
     Store {
-        /// Desired state to store.
-        upserts: Vec<(ResourceKey, DesiredDevice)>,
+        /// Desired state and rules to store.
+        upserts: Vec<(ResourceKey, Desired)>,
         /// Keys to remove.
         removals: Vec<ResourceKey>,
         /// The Ack, or the Nack naming what was refused.
@@ -146,7 +147,7 @@ pub fn plan_update(update: proto::Update) -> Step {
     let mut upserts = Vec::with_capacity(update.upserts.len());
     let mut rejected = Vec::new();
     for resource in update.upserts {
-        match desired_device(&resource) {
+        match desired(&resource) {
             Ok(entry) => upserts.push(entry),
             Err(reason) => rejected.push(proto::RejectedResource {
                 key: resource.key,
@@ -181,16 +182,50 @@ pub fn plan_update(update: proto::Update) -> Step {
     }
 }
 
-/// A resource of an Update as the store keeps it.
-fn desired_device(resource: &proto::Resource) -> Result<(ResourceKey, DesiredDevice), String> {
+/// A resource of an Update as the store keeps it, or why it is refused.
+fn desired(resource: &proto::Resource) -> Result<(ResourceKey, Desired), String> {
     let key: ResourceKey = resource
         .key
         .parse()
         .map_err(|e: edgefleet_shared::key::ResourceKeyError| e.to_string())?;
-    let version = resource.version.as_ref().ok_or("no version")?;
-    let Some(resource::Body::Device(device)) = &resource.body else {
-        return Err("no device body".into());
-    };
+    let version: ResourceVersion = resource.version.as_ref().ok_or("no version")?.into();
+    match (&key.kind, &resource.body) {
+        (ResourceKind::Device, Some(resource::Body::Device(device))) => {
+            Ok((key, desired_device(version, device)?.into()))
+        }
+        (ResourceKind::Rule, Some(resource::Body::Rule(rule))) => {
+            Ok((key, Desired::Rule(Box::new(held_rule(version, rule)?))))
+        }
+        _ => Err(format!("{key} has no body of its kind")),
+    }
+}
+
+/// A rule as the store keeps it: one whose `when` compiles, whose values
+/// are values and whose event is an event; else why not.
+fn held_rule(version: ResourceVersion, rule: &proto::RuleDesired) -> Result<HeldRule, String> {
+    edgefleet_shared::rule_when::When::compile(&rule.when).map_err(|e| e.to_string())?;
+    for (property, value) in &rule.set {
+        PropertyValue::try_from(value).map_err(|e| format!("then.set.{property}: {e}"))?;
+    }
+    if let Some(event) = &rule.event
+        && !matches!(
+            proto::EventType::try_from(event.r#type),
+            Ok(proto::EventType::Normal | proto::EventType::Warning)
+        )
+    {
+        return Err(format!("unknown event type {}", event.r#type));
+    }
+    Ok(HeldRule {
+        version,
+        rule: rule.clone(),
+    })
+}
+
+/// A Device's desired state as the store keeps it, or why it is refused.
+fn desired_device(
+    version: ResourceVersion,
+    device: &proto::DeviceDesired,
+) -> Result<DesiredDevice, String> {
     let transport = match proto::Transport::try_from(device.transport) {
         Ok(proto::Transport::Coap) => Transport::Coap,
         Ok(proto::Transport::Mqtt) => Transport::Mqtt,
@@ -227,7 +262,7 @@ fn desired_device(resource: &proto::Resource) -> Result<(ResourceKey, DesiredDev
         .map(edgefleet_shared::site_rollback::SiteRollback::try_from)
         .transpose()?;
     let desired = DesiredDevice {
-        version: version.into(),
+        version,
         model: device.model.clone(),
         transport,
         properties,
@@ -240,7 +275,7 @@ fn desired_device(resource: &proto::Resource) -> Result<(ResourceKey, DesiredDev
     // it, not kept to fail at every delivery.
     edgefleet_shared::codec::encode(&desired.to_wire())
         .map_err(|e| format!("the desired state cannot be sent to the device: {e}"))?;
-    Ok((key, desired))
+    Ok(desired)
 }
 
 /// The uplink entries of one flow sent in this session and not yet
@@ -386,6 +421,33 @@ mod tests {
     }
 
     #[test]
+    fn a_rule_the_agent_cannot_compile_is_refused_with_the_reason() {
+        let rule = |when: &str| proto::Resource {
+            key: ResourceKey::rule("plant", "overheat").to_string(),
+            version: Some((&ResourceVersion::new("rule-uid", 7)).into()),
+            body: Some(resource::Body::Rule(proto::RuleDesired {
+                namespace: "plant".into(),
+                name: "overheat".into(),
+                when: when.into(),
+                ..Default::default()
+            })),
+        };
+        let (key, held) = desired(&rule("reported.temperature > 80.0")).unwrap();
+        assert_eq!(key, ResourceKey::rule("plant", "overheat"));
+        assert!(matches!(held, Desired::Rule(_)));
+        let reason = desired(&rule("reported.temperature >")).unwrap_err();
+        assert!(reason.contains("does not compile"), "{reason}");
+        // A body that is not of its key's kind.
+        let mut crossed = rule("online");
+        crossed.key = ResourceKey::device("plant", "overheat").to_string();
+        assert!(
+            desired(&crossed)
+                .unwrap_err()
+                .contains("no body of its kind")
+        );
+    }
+
+    #[test]
     fn a_desired_state_too_large_for_a_device_message_is_refused() {
         let mut big = resource("big", proto::Transport::Coap);
         if let Some(resource::Body::Device(d)) = &mut big.body {
@@ -395,9 +457,9 @@ mod tests {
                     .into(),
             );
         }
-        let reason = desired_device(&big).unwrap_err();
+        let reason = desired(&big).unwrap_err();
         assert!(reason.contains("cannot be sent to the device"), "{reason}");
-        assert!(desired_device(&resource("small", proto::Transport::Coap)).is_ok());
+        assert!(desired(&resource("small", proto::Transport::Coap)).is_ok());
     }
 
     #[test]

@@ -12,7 +12,7 @@
 
 use std::collections::BTreeMap;
 
-use edgefleet_agent::store::{DesiredDevice, LatestReport, PendingUplink, StoredEvent};
+use edgefleet_agent::store::{Desired, DesiredDevice, LatestReport, PendingUplink, StoredEvent};
 use edgefleet_agent::sync::{Session, Step, UPLINK_BATCH, session};
 use edgefleet_shared::codec::{DeviceEvent, DeviceReport};
 use edgefleet_shared::proto::{self, Flow, agent_message};
@@ -152,6 +152,10 @@ impl Agent {
                     removals.clear();
                 }
                 for (key, desired) in upserts {
+                    // The simulated API server has Devices only.
+                    let Desired::Device(desired) = desired else {
+                        return Err(format!("agent {} was sent {key}, not a Device", self.node));
+                    };
                     if let Some(held) = self.current.desired.get(&key) {
                         if held.version.uid == desired.version.uid
                             && held.version.generation > desired.version.generation
@@ -167,7 +171,7 @@ impl Agent {
                             self.forget(&key);
                         }
                     }
-                    self.current.desired.insert(key, desired);
+                    self.current.desired.insert(key, *desired);
                 }
                 for key in removals {
                     self.current.desired.remove(&key);

@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use edgefleet_cloud::device_events::DeviceEvent;
-use edgefleet_cloud::index::{IndexedDevice, NodeSlice};
+use edgefleet_cloud::index::{Indexed, NodeSlice};
 use edgefleet_cloud::status::{StatusChange, next_status};
 use edgefleet_cloud::sync::Holdings;
 use edgefleet_shared::api::{Device, DeviceSpec, DeviceStatus, Transport};
@@ -87,9 +87,11 @@ impl Api {
             .iter()
             .filter(|(_, d)| d.node == node)
             .filter_map(|(key, d)| {
-                let (key, mut entry) = IndexedDevice::from_device(&Self::device(key, d))?;
-                if !d.valid {
-                    entry.desired.transport = proto::Transport::Unspecified as i32;
+                let (key, mut entry) = Indexed::from_device(&Self::device(key, d))?;
+                if !d.valid
+                    && let proto::resource::Body::Device(desired) = &mut entry.body
+                {
+                    desired.transport = proto::Transport::Unspecified as i32;
                 }
                 Some((key, Arc::new(entry)))
             })
