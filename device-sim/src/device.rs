@@ -60,6 +60,8 @@ pub struct SimDevice {
     model: Box<dyn DeviceModel>,
     rng: SimRng,
     applied_generation: i64,
+    // The agent's override revision applied with it.
+    applied_local: u64,
     unknown: Properties,
     kind: ModelKind,
     firmware: String,
@@ -85,6 +87,7 @@ impl SimDevice {
             model,
             rng,
             applied_generation: 0,
+            applied_local: 0,
             unknown: Properties::new(),
             kind,
             firmware: FACTORY_FIRMWARE.to_owned(),
@@ -128,13 +131,15 @@ impl SimDevice {
     ///
     /// Any generation other than the one applied last is applied, older ones
     /// too: a Device deleted and created again starts over at generation 1.
+    /// So is the same generation under another override revision (`local`,
+    /// an EdgeRule acting at the agent).
     /// A firmware order for a version the device neither runs nor installs
     /// starts an install, which takes the rules' install time and may fail
     /// (the device keeps its firmware and reports the failure until the next
     /// order); a desired state without one cancels an install under way.
     pub fn apply(&mut self, desired: &DesiredState, now: Duration) -> Applied {
         self.advance(now);
-        if desired.generation == self.applied_generation {
+        if (desired.generation, desired.local) == (self.applied_generation, self.applied_local) {
             return Applied::Again;
         }
         self.model.apply(&desired.properties);
@@ -146,6 +151,7 @@ impl SimDevice {
             .map(|(name, value)| (name.clone(), value.clone()))
             .collect();
         self.applied_generation = desired.generation;
+        self.applied_local = desired.local;
 
         self.failure = None;
         match &desired.firmware {
@@ -172,6 +178,7 @@ impl SimDevice {
     /// its physical state.
     pub fn forget(&mut self) {
         self.applied_generation = 0;
+        self.applied_local = 0;
         self.unknown.clear();
         self.install = None;
         self.failure = None;
@@ -244,6 +251,7 @@ mod tests {
                 .map(|(k, v)| ((*k).to_owned(), v.clone()))
                 .collect(),
             firmware: None,
+            local: 0,
         }
     }
 

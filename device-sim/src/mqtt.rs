@@ -201,6 +201,7 @@ mod tests {
             generation: 2,
             properties: Default::default(),
             firmware: None,
+            local: 0,
         };
         assert_eq!(
             Inbox::decode(&encode(&desired).unwrap()).unwrap(),

@@ -234,6 +234,7 @@ fn desired(generation: i64, props: &[(&str, PropertyValue)]) -> DesiredState {
             .map(|(k, v)| ((*k).to_owned(), v.clone()))
             .collect(),
         firmware: None,
+        local: 0,
     }
 }
 

@@ -8,12 +8,15 @@
 //! - [`mqtt`]: desired state out and MQTT devices' reports in, on the site
 //!   broker (embedded by default);
 //! - [`site_rollback`]: a rollout's per-site failure threshold, judged and
-//!   acted on by the agent while the cloud is unreachable.
+//!   acted on by the agent while the cloud is unreachable;
+//! - [`rules`]: the EdgeRules the cloud sent, judged on every report and
+//!   acted on at once, with or without the cloud.
 
 #![forbid(unsafe_code)]
 
 pub mod coap;
 pub mod mqtt;
+pub mod rules;
 pub mod site_rollback;
 pub mod store;
 pub mod sync;

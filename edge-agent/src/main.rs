@@ -232,6 +232,8 @@ async fn main() -> anyhow::Result<()> {
         "Devices this agent rolled back on its own: their site crossed a rollout's failure threshold while the cloud was unreachable",
         site_rollbacks.clone(),
     );
+    let rule_metrics = Arc::new(edgefleet_agent::rules::RuleMetrics::default());
+    rule_metrics.register(&mut registry);
     let gauges = {
         let store = store.clone();
         async move {
@@ -274,6 +276,7 @@ async fn main() -> anyhow::Result<()> {
         () = mqtt::run(broker, cli.node.clone(), store.clone(), mqtt_metrics, mqtt_check) => {}
         () = gauges => {}
         () = edgefleet_agent::site_rollback::run(store.clone(), site_rollbacks) => {}
+        () = edgefleet_agent::rules::run(store.clone(), rule_metrics) => {}
         _ = shutdown_signal() => tracing::info!("shutting down"),
     }
     Ok(())

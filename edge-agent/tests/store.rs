@@ -24,6 +24,8 @@ fn thermostat(uid: &str, generation: i64, setpoint: f64) -> DesiredDevice {
         health_check: None,
         site_rollback: None,
         rolled_back_at_edge: None,
+        overrides: BTreeMap::new(),
+        local: 0,
     }
 }
 

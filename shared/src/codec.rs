@@ -68,6 +68,12 @@ pub struct DesiredState {
     /// The firmware the device should run, if the Device asks for one.
     #[serde(rename = "fw", default, skip_serializing_if = "Option::is_none")]
     pub firmware: Option<FirmwareOrder>,
+    /// The agent's revision of its local overrides (EdgeRules acting at
+    /// the edge) on top of `generation`; 0 (absent) when none ever
+    /// applied. A device applies any (generation, local) pair other than
+    /// the one it applied last.
+    #[serde(rename = "l", default, skip_serializing_if = "is_zero")]
+    pub local: u64,
 }
 
 /// Which firmware to run and where to get it.
@@ -365,6 +371,7 @@ mod tests {
                 url: Some("https://fw.example/t-2.0.0.bin".into()),
                 sha256: Some("ab".repeat(32)),
             }),
+            local: 2,
         };
         assert_eq!(
             decode::<DesiredState>(&encode(&desired).unwrap()).unwrap(),

@@ -145,6 +145,11 @@ pub struct Override {
     /// How deep in a chain of rules the decision was (1: caused by a
     /// report the device made on its own).
     pub depth: u32,
+    /// The watched device whose report made the rule act: a rule acting
+    /// for two devices on one target holds two overrides, and each ends
+    /// with its own device's condition.
+    #[serde(default)]
+    pub cause: String,
 }
 
 /// A rule whose override lost to another's on the same property.
@@ -330,6 +335,7 @@ mod tests {
             value: PropertyValue::Bool(value),
             since_ms: 0,
             depth,
+            cause: String::new(),
         }
     }
 

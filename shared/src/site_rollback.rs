@@ -314,6 +314,7 @@ mod tests {
                 url: Some("https://fw/2".into()),
                 sha256: None,
             }),
+            local: 0,
         };
         let previous = Previous {
             firmware_changed: true,

@@ -15,6 +15,7 @@
 #![forbid(unsafe_code)]
 
 pub mod bench;
+pub mod device_client;
 pub mod edge_events;
 pub mod fault;
 pub mod final_state;

@@ -106,6 +106,8 @@ async fn five_thousand_devices_backlog_is_stored_while_the_agent_republishes_des
                     health_check: None,
                     site_rollback: None,
                     rolled_back_at_edge: None,
+                    overrides: BTreeMap::new(),
+                    local: 0,
                 },
             )
         })

@@ -519,6 +519,8 @@ async fn no_acknowledged_report_or_event_is_lost_when_the_power_is_cut() {
                     health_check: None,
                     site_rollback: None,
                     rolled_back_at_edge: None,
+                    overrides: BTreeMap::new(),
+                    local: 0,
                 };
                 (key(i), device)
             })

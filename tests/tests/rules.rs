@@ -1,17 +1,29 @@
-//! EdgeRules reaching the agents, against a real kube-apiserver, the
-//! controller and two agents as processes: each rule goes to the agents of
-//! the nodes whose Devices it watches and nowhere else, follows Device
-//! labels, is sent by difference, survives an agent's `kill -9` in its
-//! sled store and a controller restart without being sent again, and
-//! leaves every agent when it is refused or deleted.
+//! EdgeRules at the edge, against a real kube-apiserver, the controller and
+//! agents as processes:
+//! - distribution: each rule goes to the agents of the nodes whose Devices
+//!   it watches and nowhere else, follows Device labels, is sent by
+//!   difference, survives an agent's `kill -9` in its sled store and a
+//!   controller restart without being sent again, and leaves every agent
+//!   when it is refused or deleted;
+//! - action: devices played by the test over real CoAP (a boiler
+//!   reporting) and MQTT (an inlet valve told what to do): the agent acts
+//!   on a report at once, online and cut off from the cloud, restores when
+//!   the condition clears, keeps its override across `kill -9`, and each
+//!   decision's Event reaches Kubernetes exactly once.
 
-use std::time::Duration;
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
 
-use edgefleet_shared::api::{Device, EdgeRule};
+use coap_lite::{RequestType, ResponseType};
+use edgefleet_shared::api::{Device, DeviceSpec, EdgeRule, Transport};
+use edgefleet_shared::codec::{self, DesiredState, DeviceReport};
+use edgefleet_shared::{PropertyValue, ResourceKey, topics};
+use edgefleet_tests::device_client::{CoapDevice, code, next_on};
+use edgefleet_tests::edge_events::device_event_ids;
 use edgefleet_tests::process::{http_get, metric};
 use edgefleet_tests::stack::{Stack, StackSpec};
 use edgefleet_tests::{control_plane, create_with_spec, eventually, test_namespace};
-use kube::api::{Patch, PatchParams};
+use kube::api::{Patch, PatchParams, PostParams};
 use kube::{Api, Client, ResourceExt};
 use serde_json::json;
 
@@ -199,4 +211,222 @@ async fn rules_reach_only_the_agents_of_their_devices_by_difference_and_leave_wh
     })
     .await;
     stack.shutdown();
+}
+
+/// A site with one agent whose sync link goes through a proxy, a boiler
+/// (CoAP, played by the test) and an inlet valve (MQTT, played by the
+/// test), and the rule "boiler over 80 °C closes the inlet".
+struct Site {
+    client: Client,
+    ns: String,
+    stack: Stack,
+    boiler: CoapDevice,
+    valve: (rumqttc::AsyncClient, rumqttc::EventLoop),
+    valve_topic: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Site {
+    async fn start(hint: &str, rule: serde_json::Value) -> Site {
+        let cp = control_plane();
+        let client: Client = cp.client().await;
+        let ns = test_namespace(&client, hint).await;
+        let dir = tempfile::tempdir().unwrap();
+        let spec = StackSpec {
+            nodes: vec![NODES[0].to_owned()],
+            namespace: ns.clone(),
+            devices: 0,
+            mqtt_every: 0,
+            status_writes_per_second: 100,
+            dir: dir.path().to_owned(),
+            namespaced_controller: true,
+            cloud_args: Vec::new(),
+            agent_args: Vec::new(),
+            sync_through_proxy: true,
+        };
+        let stack = Stack::start(spec, cp.kubeconfig()).await.unwrap();
+        let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
+        for (name, model, transport, role, desired) in [
+            (
+                "boiler",
+                "thermostat",
+                Transport::Coap,
+                "boiler",
+                BTreeMap::new(),
+            ),
+            (
+                "inlet",
+                "valve",
+                Transport::Mqtt,
+                "inlet-valve",
+                BTreeMap::from([("open".to_owned(), PropertyValue::Bool(true))]),
+            ),
+        ] {
+            let mut device = Device::new(
+                name,
+                DeviceSpec {
+                    node: NODES[0].to_owned(),
+                    model: model.into(),
+                    transport,
+                    desired,
+                    firmware: None,
+                },
+            );
+            device.metadata.labels = Some([("role".to_owned(), role.to_owned())].into());
+            devices
+                .create(&PostParams::default(), &device)
+                .await
+                .unwrap();
+        }
+        create_with_spec::<EdgeRule>(&client, &ns, "overheat", rule)
+            .await
+            .unwrap();
+        eventually("the agent holds both devices and the rule", || async {
+            let devices = agent_metric(&stack, 0, "edgefleet_agent_devices").await;
+            let rules = agent_metric(&stack, 0, "edgefleet_agent_rules").await;
+            (devices == 2.0 && rules == 1.0).then_some(())
+        })
+        .await;
+        let agent = &stack.agents[0];
+        let valve_key = ResourceKey::device(&ns, "inlet");
+        let valve_topic = topics::desired(NODES[0], &valve_key);
+        let options =
+            rumqttc::MqttOptions::new("test-inlet", agent.mqtt.ip().to_string(), agent.mqtt.port());
+        let (mqtt, events) = rumqttc::AsyncClient::new(options, 64);
+        mqtt.subscribe(&valve_topic, rumqttc::QoS::AtLeastOnce)
+            .await
+            .unwrap();
+        let boiler = CoapDevice::new(agent.coap).await;
+        let mut site = Site {
+            client,
+            ns,
+            stack,
+            boiler,
+            valve: (mqtt, events),
+            valve_topic,
+            _dir: dir,
+        };
+        // The retained desired state: the spec's, open.
+        let first = site.valve_told().await;
+        assert_eq!(first.properties["open"], PropertyValue::Bool(true));
+        assert_eq!(first.local, 0);
+        site
+    }
+
+    /// The boiler reports `temperature` over CoAP; the agent has it
+    /// durably when this returns.
+    async fn boiler_reports(&mut self, temperature: f64) {
+        let report = DeviceReport {
+            applied_generation: 1,
+            properties: BTreeMap::from([(
+                "temperature".to_owned(),
+                PropertyValue::Float(temperature),
+            )]),
+            firmware_version: Some("1.0.0".into()),
+            firmware_failure: None,
+        };
+        let path = format!("d/{}/boiler/report", self.ns);
+        let response = self
+            .boiler
+            .send(RequestType::Post, &path, codec::encode(&report).unwrap())
+            .await;
+        assert_eq!(code(&response), ResponseType::Changed);
+    }
+
+    /// The next desired state the valve is told.
+    async fn valve_told(&mut self) -> DesiredState {
+        codec::decode(&next_on(&mut self.valve.1, &self.valve_topic).await).unwrap()
+    }
+
+    /// The Overheat events of the boiler in Kubernetes, as ids, repeats kept.
+    async fn overheat_events(&self) -> Vec<(u64, u64)> {
+        device_event_ids(&self.client, &self.ns)
+            .await
+            .unwrap()
+            .remove("boiler")
+            .unwrap_or_default()
+    }
+}
+
+fn overheat_rule(for_seconds: u32) -> serde_json::Value {
+    json!({
+        "selector": { "matchLabels": { "role": "boiler" } },
+        "when": "reported.temperature > 80.0",
+        "forSeconds": for_seconds,
+        "then": {
+            "set": { "open": false },
+            "target": { "matchLabels": { "role": "inlet-valve" } },
+            "event": { "reason": "Overheat", "message": "closing the inlet", "warning": true },
+        },
+        "restore": true,
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rule_acts_at_the_edge_online_and_cut_off_and_each_decision_goes_up_once() {
+    let mut site = Site::start("rule-act", overheat_rule(0)).await;
+
+    // Online: an overheating report closes the valve at once, through the
+    // agent alone; cooling down opens it again.
+    site.boiler_reports(85.0).await;
+    let reported = Instant::now();
+    let closed = site.valve_told().await;
+    let took = reported.elapsed();
+    assert_eq!(closed.properties["open"], PropertyValue::Bool(false));
+    assert_eq!((closed.generation, closed.local), (1, 1));
+    eprintln!("report -> valve told: {took:?}");
+    site.boiler_reports(60.0).await;
+    let opened = site.valve_told().await;
+    assert_eq!(opened.properties["open"], PropertyValue::Bool(true));
+    assert_eq!(opened.local, 2);
+    eventually("the first decision's Event is in Kubernetes", || async {
+        (site.overheat_events().await.len() == 1).then_some(())
+    })
+    .await;
+
+    // Cut off from the cloud: the agent still acts, and the Event waits.
+    site.stack.agents[0].proxy.as_ref().unwrap().cut();
+    site.boiler_reports(90.0).await;
+    let closed = site.valve_told().await;
+    assert_eq!(closed.properties["open"], PropertyValue::Bool(false));
+    assert_eq!(closed.local, 3);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        site.overheat_events().await.len(),
+        1,
+        "an Event crossed a cut link"
+    );
+
+    // Killed with -9 while the override is in force: it comes back with it.
+    site.stack.kill_and_restart_agent(0, 1).await.unwrap();
+    let (mqtt, events) = {
+        let agent = &site.stack.agents[0];
+        let options = rumqttc::MqttOptions::new(
+            "test-inlet-2",
+            agent.mqtt.ip().to_string(),
+            agent.mqtt.port(),
+        );
+        rumqttc::AsyncClient::new(options, 64)
+    };
+    mqtt.subscribe(&site.valve_topic, rumqttc::QoS::AtLeastOnce)
+        .await
+        .unwrap();
+    site.valve = (mqtt, events);
+    let retained = site.valve_told().await;
+    assert_eq!(retained.properties["open"], PropertyValue::Bool(false));
+    assert_eq!(retained.local, 3);
+
+    // Back online: the offline decision's Event arrives, once.
+    site.stack.agents[0].proxy.as_ref().unwrap().heal();
+    eventually("the offline decision's Event is in Kubernetes", || async {
+        (site.overheat_events().await.len() == 2).then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let ids = site.overheat_events().await;
+    let mut distinct = ids.clone();
+    distinct.dedup();
+    assert_eq!(ids.len(), 2, "{ids:?}");
+    assert_eq!(distinct, ids, "an Event twice: {ids:?}");
+    site.stack.shutdown();
 }

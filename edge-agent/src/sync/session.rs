@@ -270,6 +270,8 @@ fn desired_device(
         health_check,
         site_rollback,
         rolled_back_at_edge: None,
+        overrides: BTreeMap::new(),
+        local: 0,
     };
     // What the device cannot be sent is refused now, so the Device shows
     // it, not kept to fail at every delivery.

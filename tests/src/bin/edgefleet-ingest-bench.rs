@@ -250,6 +250,8 @@ async fn seed_store(
                     health_check: None,
                     site_rollback: None,
                     rolled_back_at_edge: None,
+                    overrides: BTreeMap::new(),
+                    local: 0,
                 },
             )
         })

@@ -1,7 +1,8 @@
-//! The agent's durable state, in sled: what the cloud wants (desired), what
-//! devices last said (reported), what must still go up (the outbox), the
-//! highest event id each device sent in each of its recent boots
-//! (event_ids), and meta.
+//! The agent's durable state, in sled: what the cloud wants (desired, and
+//! the EdgeRules in `rules`), what devices last said (reported), what must
+//! still go up (the outbox), the highest event id each device sent in each
+//! of its recent boots (event_ids), where each rule stands for each device
+//! it watches (`rule_watches`, see [`rules`]), and meta.
 //!
 //! The outbox holds two flows (see [`Flow`]), each a tree keyed by sequence
 //! number, numbered from one sequence: reports (`report_outbox`) and events
@@ -40,6 +41,7 @@ use edgefleet_shared::health_check::{self, HealthCheck, HealthState};
 use edgefleet_shared::health_gate::HealthGate;
 use edgefleet_shared::key::ResourceKind;
 pub use edgefleet_shared::proto::Flow;
+use edgefleet_shared::rule_engine::{self, Override};
 use edgefleet_shared::site_rollback::{self, EdgeRollback, SiteRollback};
 use edgefleet_shared::{PropertyValue, ResourceKey, ResourceVersion, proto};
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
@@ -49,6 +51,8 @@ use sled::transaction::{
     TransactionalTree,
 };
 use tokio::sync::{Notify, broadcast};
+
+pub mod rules;
 
 /// Bumped when the layout of stored values changes; a store with another
 /// version is moved aside and rebuilt from the cloud.
@@ -95,6 +99,18 @@ pub struct DesiredDevice {
     /// the cloud sends another generation.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rolled_back_at_edge: Option<RolledBackAtEdge>,
+    /// What EdgeRules acting at this agent set, by property: a layer on
+    /// top of `properties`, kept across generations of the same Device.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub overrides: BTreeMap<String, Vec<Override>>,
+    /// The revision of what the overrides make of the desired state (the
+    /// device message's `local`): it grows whenever that changes.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub local: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// A device the agent rolled back on its own: what it did, and what the
@@ -116,8 +132,9 @@ impl DesiredDevice {
         }
         DesiredState {
             generation: self.version.generation,
-            properties: self.properties.clone(),
+            properties: rule_engine::effective(&self.properties, &self.overrides).0,
             firmware: self.firmware.clone(),
+            local: self.local,
         }
     }
 }
@@ -506,11 +523,17 @@ pub struct Store {
     site_watch: Arc<Notify>,
     // Every durable change of desired state, for the device-side publishers.
     desired_changes: broadcast::Sender<DesiredChange>,
+    // Every device whose report became durable, for the rule engine.
+    reports: broadcast::Sender<ResourceKey>,
+    // Woken when the rules held change.
+    rules_changed: Arc<Notify>,
     flusher: GroupFlush,
     db: sled::Db,
     desired: sled::Tree,
     // Rules by key (see HeldRule).
     rules: sled::Tree,
+    // Where each rule stands for each device it watches (see rules).
+    rule_watches: sled::Tree,
     reported: sled::Tree,
     // The reports flow of the outbox: device names by sequence number.
     reports_out: sled::Tree,
@@ -837,9 +860,12 @@ impl Store {
             link_down_since: Arc::new(edgefleet_shared::now_unix_ms().into()),
             site_watch: Arc::new(Notify::new()),
             desired_changes: broadcast::Sender::new(DESIRED_CHANGES_BUFFER),
+            reports: broadcast::Sender::new(DESIRED_CHANGES_BUFFER),
+            rules_changed: Arc::new(Notify::new()),
             flusher: GroupFlush::start(db.clone(), seqs, files),
             desired: tree("desired")?,
             rules: tree("rules")?,
+            rule_watches: tree("rule_watches")?,
             reported: tree("reported")?,
             reports_out: tree(REPORTS_TREE)?,
             events_out: tree(EVENTS_TREE)?,
@@ -1044,6 +1070,7 @@ impl Store {
     fn is_empty(&self) -> bool {
         self.desired.is_empty()
             && self.rules.is_empty()
+            && self.rule_watches.is_empty()
             && self.reported.is_empty()
             && self.reports_out.is_empty()
             && self.events_out.is_empty()
@@ -1139,7 +1166,7 @@ impl Store {
                     {
                         leaving.push(key.to_string());
                     }
-                    devices.push((key.to_string(), encode(&*device)));
+                    devices.push((key.to_string(), *device));
                 }
                 Desired::Rule(rule) => rules.push((key.to_string(), rule.encode(key))),
             }
@@ -1157,7 +1184,19 @@ impl Store {
         let result =
             trees.transaction(|(desired, held_rules, reported, reports_out, event_ids)| {
                 for (key, device) in &upserts {
-                    desired.insert(key.as_bytes(), device.as_slice())?;
+                    // Overrides of rules at this agent stay on the same
+                    // object (read here, where no rule decision can slip in
+                    // between).
+                    let mut device = device.clone();
+                    if let Some(held) = desired.get(key.as_bytes())? {
+                        let held: DesiredDevice = decode(key.as_bytes(), &held)
+                            .map_err(ConflictableTransactionError::Abort)?;
+                        if held.version.uid == device.version.uid {
+                            device.overrides = held.overrides;
+                            device.local = held.local;
+                        }
+                    }
+                    desired.insert(key.as_bytes(), encode(&device))?;
                 }
                 for (key, rule) in &rules {
                     held_rules.insert(key.as_bytes(), rule.as_slice())?;
@@ -1181,6 +1220,9 @@ impl Store {
         result.map_err(from_transaction)?;
         drop(outbox_state);
         self.flusher.flush().await?;
+        if !rules.is_empty() || removals.iter().any(|k| !k.is_device()) {
+            self.rules_changed.notify_one();
+        }
         // Nobody listening is fine: publishers read the store when they start.
         let _ = self.desired_changes.send(DesiredChange {
             upserted: upserts
@@ -1340,6 +1382,7 @@ impl Store {
         Batch {
             store: self,
             queued: false,
+            reported: Vec::new(),
         }
     }
 
@@ -1528,24 +1571,7 @@ impl Store {
                         outbox.insert(&seq.to_be_bytes(), entry.clone())?;
                         event_ids.insert(key.as_bytes(), ids.as_slice())?;
                         if let Some(victim) = victim {
-                            outbox.remove(&victim.to_be_bytes())?;
-                            let total = meta
-                                .get(META_DROPPED_TOTAL)?
-                                .map(|v| u64_from(&v))
-                                .unwrap_or(0);
-                            meta.insert(META_DROPPED_TOTAL, &(total + 1).to_be_bytes())?;
-                            let mut dropped: Dropped = match meta.get(META_DROPPED_UNREPORTED)? {
-                                Some(v) => decode(META_DROPPED_UNREPORTED, &v)
-                                    .map_err(ConflictableTransactionError::Abort)?,
-                                None => Dropped {
-                                    first_at_ms: received_at_ms,
-                                    ..Dropped::default()
-                                },
-                            };
-                            dropped.count += 1;
-                            dropped.last_at_ms = received_at_ms;
-                            dropped.bound = bound;
-                            meta.insert(META_DROPPED_UNREPORTED, encode(&dropped))?;
+                            drop_event(outbox, meta, victim, received_at_ms, bound)?;
                         }
                         Ok(seq)
                     },
@@ -1776,6 +1802,7 @@ impl Store {
 pub struct Batch<'a> {
     store: &'a Store,
     queued: bool,
+    reported: Vec<ResourceKey>,
 }
 
 impl Batch<'_> {
@@ -1789,6 +1816,7 @@ impl Batch<'_> {
     ) -> Result<u64, StoreError> {
         let (seq, queued) = self.store.write_report(device, report, received_at_ms)?;
         self.queued |= queued;
+        self.reported.push(device.clone());
         Ok(seq)
     }
 
@@ -1810,6 +1838,10 @@ impl Batch<'_> {
         self.store.flusher.flush().await?;
         if self.queued {
             self.store.outbox_changed.notify_one();
+        }
+        for device in self.reported {
+            // Nobody listening is fine: the rule engine reads the store.
+            let _ = self.store.reports.send(device);
         }
         Ok(())
     }
@@ -1873,6 +1905,37 @@ impl GroupFlush {
 
 /// Hands out the next uplink sequence number, within a transaction on the
 /// meta tree; it must be below `reserved` (see [`Store::reserve_seqs`]).
+/// Drops the event at `victim` to make room at the outbox's `bound`, and
+/// counts the drop (the total, and the notice still to send up).
+fn drop_event(
+    outbox: &TransactionalTree,
+    meta: &TransactionalTree,
+    victim: u64,
+    at_ms: i64,
+    bound: u64,
+) -> ConflictableTransactionResult<(), StoreError> {
+    outbox.remove(&victim.to_be_bytes())?;
+    let total = meta
+        .get(META_DROPPED_TOTAL)?
+        .map(|v| u64_from(&v))
+        .unwrap_or(0);
+    meta.insert(META_DROPPED_TOTAL, &(total + 1).to_be_bytes())?;
+    let mut dropped: Dropped = match meta.get(META_DROPPED_UNREPORTED)? {
+        Some(v) => {
+            decode(META_DROPPED_UNREPORTED, &v).map_err(ConflictableTransactionError::Abort)?
+        }
+        None => Dropped {
+            first_at_ms: at_ms,
+            ..Dropped::default()
+        },
+    };
+    dropped.count += 1;
+    dropped.last_at_ms = at_ms;
+    dropped.bound = bound;
+    meta.insert(META_DROPPED_UNREPORTED, encode(&dropped))?;
+    Ok(())
+}
+
 fn take_seq(
     meta: &TransactionalTree,
     reserved: u64,
