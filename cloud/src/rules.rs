@@ -103,7 +103,8 @@ pub async fn start(
     }
     for rule in rules.state() {
         if rule.metadata.deletion_timestamp.is_none() {
-            context.distribute(&rule);
+            // A refused rule is judged (and shown) by its reconcile.
+            let _ = context.distribute(&rule);
         }
     }
     Ok(running)
@@ -193,13 +194,17 @@ fn key_of(rule: &EdgeRule) -> ResourceKey {
 impl Context {
     /// Puts `rule` on the nodes it concerns, or takes it off them all if
     /// it is refused; how many Devices it watches.
-    fn distribute(&self, rule: &EdgeRule) -> u32 {
+    fn distribute(&self, rule: &EdgeRule) -> Result<u32, Refusal> {
         let key = key_of(rule);
-        let Ok(judged) = judge(&rule.spec) else {
-            self.index.remove_rule(&key);
-            return 0;
-        };
         let devices = self.devices.state();
+        let judged =
+            match judge(&rule.spec).and_then(|j| has_target(rule, &j, &devices).map(|()| j)) {
+                Ok(judged) => judged,
+                Err(refusal) => {
+                    self.index.remove_rule(&key);
+                    return Err(refusal);
+                }
+            };
         let bodies = node_bodies(rule, &judged, &devices, |node| {
             self.edge_nodes
                 .get(&ObjectRef::new(node))
@@ -213,7 +218,7 @@ impl Context {
             })
             .sum::<usize>();
         self.index.put_rule(&key, bodies);
-        u32::try_from(watched).unwrap_or(u32::MAX)
+        Ok(u32::try_from(watched).unwrap_or(u32::MAX))
     }
 
     async fn judge(&self, rule: Arc<EdgeRule>) -> Result<Action, Error> {
@@ -223,9 +228,8 @@ impl Context {
             observed_generation: rule.metadata.generation,
             ..current.clone()
         };
-        let devices = context.distribute(&rule);
-        let accepted = match judge(&rule.spec) {
-            Ok(_) => {
+        let accepted = match context.distribute(&rule) {
+            Ok(devices) => {
                 status.devices = devices;
                 condition(true, "Valid", String::new(), rule.metadata.generation)
             }
@@ -245,6 +249,12 @@ impl Context {
             .find(|c| c.type_ == "Accepted")
             .cloned();
         crate::conditions::set(&mut status.conditions, accepted.clone());
+        let outcome = outcome(&rule, &context.devices.state());
+        status.last_acted_at = outcome.last_acted.or(status.last_acted_at);
+        crate::conditions::set(
+            &mut status.conditions,
+            overridden(&outcome.outranked, rule.metadata.generation),
+        );
         if status != current {
             let refused_now = accepted.status == "False"
                 && was
@@ -362,6 +372,95 @@ pub fn node_bodies(
             (node, entry)
         })
         .collect()
+}
+
+/// A `then.target` that selects no Device of the rule's namespace names no
+/// device: refused, as the rule could never act.
+fn has_target(rule: &EdgeRule, judged: &Judged, devices: &[Arc<Device>]) -> Result<(), Refusal> {
+    let Some(target) = &judged.targets else {
+        return Ok(());
+    };
+    let namespace = rule.namespace();
+    let any = devices.iter().any(|d| {
+        d.namespace() == namespace
+            && d.metadata.deletion_timestamp.is_none()
+            && target.matches(d.labels())
+    });
+    if any {
+        Ok(())
+    } else {
+        Err(Refusal {
+            reason: "NoTarget",
+            message: format!(
+                "spec.then.target selects no Device in namespace {}",
+                namespace.unwrap_or_default()
+            ),
+        })
+    }
+}
+
+/// What a rule did at the edge, as the Devices' statuses show it.
+#[derive(Debug, Default, PartialEq)]
+pub struct Outcome {
+    /// When its oldest override in force started (the latest across
+    /// devices).
+    pub last_acted: Option<Time>,
+    /// Where it set a property another rule outranked it on:
+    /// (device, property, the rule in force).
+    pub outranked: Vec<(String, String, String)>,
+}
+
+/// [`Outcome`] of `rule` over `devices`.
+pub fn outcome(rule: &EdgeRule, devices: &[Arc<Device>]) -> Outcome {
+    let name = rule.name_any();
+    let namespace = rule.namespace();
+    let mut out = Outcome::default();
+    for device in devices.iter().filter(|d| d.namespace() == namespace) {
+        let Some(status) = &device.status else {
+            continue;
+        };
+        for o in status.overrides.iter().filter(|o| o.rule == name) {
+            if out.last_acted.as_ref().is_none_or(|t| t.0 < o.since.0) {
+                out.last_acted = Some(o.since.clone());
+            }
+            if o.in_force {
+                continue;
+            }
+            let winner = status
+                .overrides
+                .iter()
+                .find(|w| w.property == o.property && w.in_force)
+                .map(|w| w.rule.clone())
+                .unwrap_or_default();
+            out.outranked
+                .push((device.name_any(), o.property.clone(), winner));
+        }
+    }
+    out
+}
+
+/// The `Overridden` condition: True while another rule's value is in
+/// force where this rule set one too.
+fn overridden(outranked: &[(String, String, String)], generation: Option<i64>) -> Condition {
+    let mut condition = condition(false, "InForce", String::new(), generation);
+    condition.type_ = "Overridden".into();
+    if !outranked.is_empty() {
+        condition.status = "True".into();
+        condition.reason = "OutrankedByRule".into();
+        let shown: Vec<String> = outranked
+            .iter()
+            .take(3)
+            .map(|(device, property, winner)| {
+                format!("{device}.{property}: EdgeRule {winner} is in force")
+            })
+            .collect();
+        condition.message = format!(
+            "another rule of higher priority (or equal priority and a name sorting first) set the same property: {}{}",
+            shown.join("; "),
+            if outranked.len() > 3 { "; …" } else { "" }
+        );
+    }
+    condition
 }
 
 fn condition(accepted: bool, reason: &str, message: String, generation: Option<i64>) -> Condition {
@@ -508,5 +607,72 @@ mod tests {
         });
         assert_eq!(bodies.keys().collect::<Vec<_>>(), ["edge-1"]);
         assert!(!rule_body(&bodies["edge-1"]).set_on_targets);
+    }
+
+    #[test]
+    fn the_outranked_rule_and_the_time_it_last_acted_come_from_device_statuses() {
+        use edgefleet_shared::api::device::{DeviceOverride, DeviceStatus};
+        let at = |ms: i64| Time(Timestamp::from_millisecond(ms).unwrap());
+        let over = |rule: &str, ms: i64, in_force: bool| DeviceOverride {
+            property: "open".into(),
+            rule: rule.into(),
+            value: false.into(),
+            since: at(ms),
+            in_force,
+        };
+        let mut valve = (*device("inlet", "edge-1", &[])).clone();
+        valve.status = Some(DeviceStatus {
+            overrides: vec![over("overheat", 2_000, true), over("cool", 1_000, false)],
+            ..DeviceStatus::default()
+        });
+        let mut other = (*device("outlet", "edge-1", &[])).clone();
+        other.status = Some(DeviceStatus {
+            overrides: vec![over("cool", 3_000, true)],
+            ..DeviceStatus::default()
+        });
+        let devices = [Arc::new(valve), Arc::new(other)];
+        let mut cool = rule(spec("online"));
+        cool.metadata.name = Some("cool".into());
+        let seen = outcome(&cool, &devices);
+        assert_eq!(seen.last_acted, Some(at(3_000)));
+        assert_eq!(
+            seen.outranked,
+            [("inlet".to_owned(), "open".to_owned(), "overheat".to_owned())]
+        );
+        let c = overridden(&seen.outranked, Some(1));
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("True", "OutrankedByRule")
+        );
+        assert!(
+            c.message
+                .contains("inlet.open: EdgeRule overheat is in force"),
+            "{}",
+            c.message
+        );
+        let winner = outcome(&rule(spec("online")), &devices);
+        assert!(winner.outranked.is_empty());
+        assert_eq!(overridden(&winner.outranked, Some(1)).status, "False");
+    }
+
+    #[test]
+    fn a_target_that_selects_no_device_is_refused() {
+        let mut spec = spec("online");
+        spec.then.target = Some(LabelSelector {
+            match_labels: Some([("role".to_owned(), "valve".to_owned())].into()),
+            match_expressions: None,
+        });
+        let rule = rule(spec);
+        let judged = judge(&rule.spec).unwrap();
+        let refused = has_target(&rule, &judged, &[device("t1", "edge-1", &[])]).unwrap_err();
+        assert_eq!(refused.reason, "NoTarget");
+        assert!(
+            has_target(
+                &rule,
+                &judged,
+                &[device("v1", "edge-1", &[("role", "valve")])]
+            )
+            .is_ok()
+        );
     }
 }

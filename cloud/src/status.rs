@@ -83,6 +83,8 @@ pub enum StatusChange {
         /// The agent rolled the device back on its own (boxed: rare, and
         /// it would make every change larger).
         edge_rollback: Option<Box<edgefleet_shared::site_rollback::EdgeRollback>>,
+        /// What EdgeRules at the agent set on the device.
+        overrides: Vec<edgefleet_shared::api::device::DeviceOverride>,
         /// When the agent received the report (Unix milliseconds).
         received_at_ms: i64,
         /// Where it came from; `None` from an agent that does not say.
@@ -732,6 +734,7 @@ pub fn next_status(
                 firmware_failure,
                 health,
                 edge_rollback,
+                overrides,
                 received_at_ms,
                 origin,
             } => {
@@ -775,6 +778,7 @@ pub fn next_status(
                 }
                 next.applied_generation = Some(*applied_generation);
                 next.reported = properties.clone();
+                next.overrides = overrides.clone();
                 if firmware_version.is_some() {
                     next.firmware_version = firmware_version.clone();
                 }
@@ -960,6 +964,7 @@ mod tests {
             firmware_failure: None,
             health: None,
             edge_rollback: None,
+            overrides: Vec::new(),
             received_at_ms: ms,
             origin: None,
         }
@@ -1061,6 +1066,7 @@ mod tests {
             firmware_failure: None,
             health: None,
             edge_rollback: None,
+            overrides: Vec::new(),
             received_at_ms,
             origin: Some(ReportOrigin {
                 store: store.into(),

@@ -195,6 +195,32 @@ pub fn effective(
     (desired, conflicts)
 }
 
+/// The overrides of a device as people are shown them: one per property
+/// and rule (a rule acting for two watched devices shows the earlier), each
+/// with whether it is the one in force, by [`effective`]'s order.
+pub fn shown(overrides: &BTreeMap<String, Vec<Override>>) -> Vec<(String, Override, bool)> {
+    let mut out = Vec::new();
+    for (property, candidates) in overrides {
+        let winner = candidates.iter().min_by(|a, b| {
+            b.priority
+                .cmp(&a.priority)
+                .then_with(|| a.rule.cmp(&b.rule))
+        });
+        let mut by_rule: BTreeMap<&str, &Override> = BTreeMap::new();
+        for o in candidates {
+            let kept = by_rule.entry(o.rule.as_str()).or_insert(o);
+            if o.since_ms < kept.since_ms {
+                *kept = o;
+            }
+        }
+        for (rule, o) in by_rule {
+            let in_force = winner.is_some_and(|w| w.rule == rule);
+            out.push((property.clone(), o.clone(), in_force));
+        }
+    }
+    out
+}
+
 /// The depth a rule acting on a device would have: one deeper than the
 /// deepest override in force on that device.
 pub fn depth_on(overrides: &BTreeMap<String, Vec<Override>>) -> u32 {
@@ -326,6 +352,21 @@ mod tests {
             MAX_CHAIN_DEPTH + 1,
         );
         assert_eq!(decision, Some(Decision::Refused(Refusal::ChainTooDeep)));
+    }
+
+    #[test]
+    fn each_rule_is_shown_once_per_property_with_the_one_in_force() {
+        let mut a1 = set("a", 5, false, 1);
+        a1.since_ms = 20;
+        let mut a2 = set("a", 5, false, 1);
+        a2.since_ms = 10;
+        let overrides = BTreeMap::from([("open".to_owned(), vec![a1, set("b", 9, true, 1), a2])]);
+        let shown = shown(&overrides);
+        let summary: Vec<(&str, i64, bool)> = shown
+            .iter()
+            .map(|(_, o, in_force)| (o.rule.as_str(), o.since_ms, *in_force))
+            .collect();
+        assert_eq!(summary, [("a", 10, false), ("b", 0, true)]);
     }
 
     fn set(rule: &str, priority: i32, value: bool, depth: u32) -> Override {

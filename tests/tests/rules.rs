@@ -333,6 +333,57 @@ impl Site {
         assert_eq!(code(&response), ResponseType::Changed);
     }
 
+    /// The valve reports whether it is open, over MQTT; returns once the
+    /// broker has it.
+    async fn valve_reports(&mut self, open: bool) {
+        let report = DeviceReport {
+            applied_generation: 1,
+            properties: BTreeMap::from([("open".to_owned(), PropertyValue::Bool(open))]),
+            firmware_version: Some("1.0.0".into()),
+            firmware_failure: None,
+        };
+        let topic = topics::report(NODES[0], &ResourceKey::device(&self.ns, "inlet"));
+        self.valve
+            .0
+            .publish(
+                topic,
+                rumqttc::QoS::AtLeastOnce,
+                false,
+                codec::encode(&report).unwrap(),
+            )
+            .await
+            .unwrap();
+        let acked = async {
+            loop {
+                if let Ok(rumqttc::Event::Incoming(rumqttc::Packet::PubAck(_))) =
+                    self.valve.1.poll().await
+                {
+                    return;
+                }
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), acked)
+            .await
+            .expect("the broker acknowledged the valve's report");
+    }
+
+    /// The valve Device's status overrides: (rule, value, in force).
+    async fn valve_overrides(&self) -> Vec<(String, PropertyValue, bool)> {
+        let devices: Api<Device> = Api::namespaced(self.client.clone(), &self.ns);
+        devices
+            .get("inlet")
+            .await
+            .ok()
+            .and_then(|d| d.status)
+            .map(|s| {
+                s.overrides
+                    .into_iter()
+                    .map(|o| (o.rule, o.value, o.in_force))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
     /// The next desired state the valve is told.
     async fn valve_told(&mut self) -> DesiredState {
         codec::decode(&next_on(&mut self.valve.1, &self.valve_topic).await).unwrap()
@@ -353,6 +404,7 @@ fn overheat_rule(for_seconds: u32) -> serde_json::Value {
         "selector": { "matchLabels": { "role": "boiler" } },
         "when": "reported.temperature > 80.0",
         "forSeconds": for_seconds,
+        "priority": 100,
         "then": {
             "set": { "open": false },
             "target": { "matchLabels": { "role": "inlet-valve" } },
@@ -429,4 +481,109 @@ async fn a_rule_acts_at_the_edge_online_and_cut_off_and_each_decision_goes_up_on
     assert_eq!(ids.len(), 2, "{ids:?}");
     assert_eq!(distinct, ids, "an Event twice: {ids:?}");
     site.stack.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overrides_show_in_status_the_outranked_rule_says_so_and_a_rule_changed_offline_applies_at_resync()
+ {
+    let mut site = Site::start("rule-status", overheat_rule(0)).await;
+    site.valve_reports(true).await;
+    // A second rule on the same property, of lower priority.
+    create_with_spec::<EdgeRule>(
+        &site.client,
+        &site.ns,
+        "cool",
+        json!({
+            "selector": { "matchLabels": { "role": "boiler" } },
+            "when": "reported.temperature > 50.0",
+            "then": {
+                "set": { "open": true },
+                "target": { "matchLabels": { "role": "inlet-valve" } },
+            },
+        }),
+    )
+    .await
+    .unwrap();
+    rules_held_one(&site.stack, 2.0).await;
+
+    site.boiler_reports(85.0).await;
+    let closed = site.valve_told().await;
+    assert_eq!(closed.properties["open"], PropertyValue::Bool(false));
+    let mut shown = eventually("the valve's status shows both overrides", || async {
+        let o = site.valve_overrides().await;
+        (o.len() == 2).then_some(o)
+    })
+    .await;
+    shown.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_eq!(
+        shown,
+        [
+            ("cool".to_owned(), PropertyValue::Bool(true), false),
+            ("overheat".to_owned(), PropertyValue::Bool(false), true),
+        ]
+    );
+    let rules: Api<EdgeRule> = Api::namespaced(site.client.clone(), &site.ns);
+    let overridden = |name: &'static str| {
+        let rules = rules.clone();
+        async move {
+            let status = rules.get(name).await.ok()?.status?;
+            let c = status
+                .conditions
+                .into_iter()
+                .find(|c| c.type_ == "Overridden")?;
+            Some((c.status, c.message, status.last_acted_at.is_some()))
+        }
+    };
+    let (_, message, _) = eventually("cool says it is outranked", || async {
+        overridden("cool").await.filter(|(s, _, _)| s == "True")
+    })
+    .await;
+    assert!(
+        message.contains("inlet.open: EdgeRule overheat is in force"),
+        "{message}"
+    );
+    let (status, _, acted) = overridden("overheat").await.unwrap();
+    assert_eq!(status, "False");
+    assert!(acted, "overheat has no lastActedAt");
+
+    // Changed while the site is cut off: the agent goes on with the rule it
+    // has (over 80 closes), and takes the new one (over 95) at resync.
+    site.stack.agents[0].proxy.as_ref().unwrap().cut();
+    rules
+        .patch(
+            "overheat",
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "spec": { "when": "reported.temperature > 95.0" } })),
+        )
+        .await
+        .unwrap();
+    site.boiler_reports(40.0).await;
+    assert_eq!(
+        site.valve_told().await.properties["open"],
+        PropertyValue::Bool(true)
+    );
+    site.boiler_reports(90.0).await;
+    assert_eq!(
+        site.valve_told().await.properties["open"],
+        PropertyValue::Bool(false),
+        "cut off, the agent did not act on the rule it holds"
+    );
+    site.stack.agents[0].proxy.as_ref().unwrap().heal();
+    // At 90 the new rule does not hold: overheat lets go, cool is in force.
+    let told = site.valve_told().await;
+    assert_eq!(told.properties["open"], PropertyValue::Bool(true));
+    eventually("the valve's status shows cool alone in force", || async {
+        let o = site.valve_overrides().await;
+        (o == [("cool".to_owned(), PropertyValue::Bool(true), true)]).then_some(())
+    })
+    .await;
+    site.stack.shutdown();
+}
+
+/// Waits until the first agent holds `want` rules.
+async fn rules_held_one(stack: &Stack, want: f64) {
+    eventually(&format!("the agent holds {want} rules"), || async {
+        (agent_metric(stack, 0, "edgefleet_agent_rules").await == want).then_some(())
+    })
+    .await;
 }

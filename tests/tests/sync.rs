@@ -996,6 +996,7 @@ fn report_about(
         firmware_failure: None,
         health: None,
         edge_rollback: None,
+        overrides: Vec::new(),
         received_at_ms: 1_700_000_000_000,
     };
     proto::agent_message::Kind::Uplink(proto::Uplink {

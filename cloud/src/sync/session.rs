@@ -20,11 +20,15 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
+use edgefleet_shared::PropertyValue;
 use edgefleet_shared::api::ReportOrigin;
+use edgefleet_shared::api::device::DeviceOverride;
 use edgefleet_shared::codec::WireMessage;
 use edgefleet_shared::holdings::HoldingsDigest;
 use edgefleet_shared::proto::{self, Flow, agent_message, cloud_message, uplink_entry};
 use edgefleet_shared::{ResourceKey, ResourceVersion};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
 
 use crate::device_events::{DeviceEvent, DroppedNotice};
 use crate::index::{NodeSlice, difference};
@@ -34,6 +38,13 @@ use edgefleet_shared::health_check::{HealthStage, HealthState};
 
 /// The longest health message shown in a condition, in characters.
 pub const MAX_HEALTH_MESSAGE: usize = 512;
+
+/// The most rule overrides one report may carry (a few rules per property
+/// of a device).
+pub const MAX_OVERRIDES: usize = 4 * edgefleet_shared::codec::MAX_PROPERTIES;
+
+/// The longest property or rule name in an override (a Kubernetes name).
+const MAX_NAME: usize = 253;
 
 /// Most resources in one Update, so one message stays small.
 pub const MAX_RESOURCES_PER_UPDATE: usize = 256;
@@ -564,6 +575,29 @@ impl Session {
                 })
             }
         };
+        if report.overrides.len() > MAX_OVERRIDES {
+            return Err("invalid_report");
+        }
+        let overrides = report
+            .overrides
+            .into_iter()
+            .map(|o| {
+                let value = PropertyValue::try_from(o.value.as_ref().ok_or("invalid_report")?)
+                    .map_err(|_| "invalid_report")?;
+                if o.property.len() > MAX_NAME || o.rule.len() > MAX_NAME {
+                    return Err("invalid_report");
+                }
+                Ok(DeviceOverride {
+                    property: o.property,
+                    rule: o.rule,
+                    value,
+                    since: Time(
+                        Timestamp::from_millisecond(o.since_ms).map_err(|_| "invalid_report")?,
+                    ),
+                    in_force: o.in_force,
+                })
+            })
+            .collect::<Result<Vec<_>, &'static str>>()?;
         let edge_rollback = report.edge_rollback.map(|mut r| {
             r.message = r.message.chars().take(MAX_HEALTH_MESSAGE).collect();
             Box::new(edgefleet_shared::site_rollback::EdgeRollback::from(r))
@@ -579,6 +613,7 @@ impl Session {
                 firmware_failure,
                 health,
                 edge_rollback,
+                overrides,
                 received_at_ms: report.received_at_ms,
                 origin: (!self.store_id.is_empty()).then(|| ReportOrigin {
                     store: self.store_id.clone(),

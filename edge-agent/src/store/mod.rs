@@ -230,6 +230,9 @@ pub struct LatestReport {
     /// The agent rolled the device back on its own, if it did.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub edge_rollback: Option<EdgeRollback>,
+    /// The overrides of rules on the device when the report was stored.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub overrides: BTreeMap<String, Vec<Override>>,
 }
 
 /// While the cloud is connected, an unchanged report goes up again after
@@ -1432,6 +1435,10 @@ impl Store {
         let edge_rollback = desired
             .as_ref()
             .and_then(|d| Some(d.rolled_back_at_edge.as_ref()?.mark.clone()));
+        let overrides = desired
+            .as_ref()
+            .map(|d| d.overrides.clone())
+            .unwrap_or_default();
         if desired
             .as_ref()
             .is_some_and(|d| d.site_rollback.is_some() && d.rolled_back_at_edge.is_none())
@@ -1473,6 +1480,7 @@ impl Store {
                         && p.uid == uid
                         && p.health == health
                         && p.edge_rollback == edge_rollback
+                        && p.overrides == overrides
                 }) {
                     let keepalive_due = link_up_since > 0
                         && received_at_ms - previous.queued_at_ms.max(link_up_since)
@@ -1498,6 +1506,7 @@ impl Store {
                     report: report.clone(),
                     health,
                     edge_rollback: edge_rollback.clone(),
+                    overrides: overrides.clone(),
                 };
                 reported.insert(key.as_bytes(), encode(&latest))?;
                 outbox.insert(&seq.to_be_bytes(), entry.clone())?;

@@ -166,9 +166,19 @@ impl Store {
     /// device publishers of every device whose desired state changed, and
     /// returns them.
     pub async fn decide(&self, decision: &Decision) -> Result<Vec<ResourceKey>, StoreError> {
-        let (changed, seq) = self.decide_locked(decision)?;
+        let (changed, touched, seq) = self.decide_locked(decision)?;
+        // Each touched device's latest report goes up again with the
+        // overrides it has now, so its status shows them.
+        let mut queued = seq.is_some();
+        for device in &touched {
+            if let Some(latest) = self.latest_report(device)? {
+                queued |= self
+                    .write_report(device, latest.report, latest.received_at_ms)?
+                    .1;
+            }
+        }
         self.flusher.flush().await?;
-        if seq.is_some() {
+        if queued {
             self.outbox_changed.notify_one();
         }
         if !changed.is_empty() {
@@ -180,12 +190,14 @@ impl Store {
         Ok(changed)
     }
 
-    /// The transaction of [`Store::decide`], under the outbox lock; what it
-    /// changed, and the event's sequence number.
+    /// The transaction of [`Store::decide`], under the outbox lock: the
+    /// devices whose desired state changed, those whose overrides did, and
+    /// the event's sequence number.
+    #[allow(clippy::type_complexity)]
     fn decide_locked(
         &self,
         decision: &Decision,
-    ) -> Result<(Vec<ResourceKey>, Option<u64>), StoreError> {
+    ) -> Result<(Vec<ResourceKey>, Vec<ResourceKey>, Option<u64>), StoreError> {
         let namespace = &decision.rule.namespace;
         let rule_name = decision.rule.name.as_str();
         let cause = decision.device.name.as_str();
@@ -221,6 +233,7 @@ impl Store {
                 targets: before.targets.clone(),
             };
             let mut changed = Vec::new();
+            let mut touched = Vec::new();
             let mut touch = |name: &str,
                              set: Option<(&BTreeMap<String, PropertyValue>, i32, u32, i64)>|
              -> sled::transaction::ConflictableTransactionResult<
@@ -234,8 +247,12 @@ impl Store {
                 };
                 let mut device: DesiredDevice =
                     decode(k.as_bytes(), &held).map_err(ConflictableTransactionError::Abort)?;
+                let before = device.overrides.clone();
                 if reset_overrides(&mut device, rule_name, cause, set) {
-                    changed.push(target);
+                    changed.push(target.clone());
+                }
+                if device.overrides != before {
+                    touched.push(target);
                 }
                 desired.insert(k.as_bytes(), encode(&device))?;
                 Ok(())
@@ -289,16 +306,16 @@ impl Store {
                 }
                 seq = Some(n);
             }
-            Ok((changed, seq))
+            Ok((changed, touched, seq))
         });
-        let (changed, seq) = result.map_err(from_transaction)?;
+        let (changed, touched, seq) = result.map_err(from_transaction)?;
         if let Some(seq) = seq {
             self.seqs.written.fetch_max(seq, Ordering::SeqCst);
             if victim.is_none() {
                 outbox_state.events += 1;
             }
         }
-        Ok((changed, seq))
+        Ok((changed, touched, seq))
     }
 
     /// Ends everything `rule` did at this agent (it was deleted, refused,
@@ -336,7 +353,15 @@ impl Store {
             Ok(changed)
         });
         let changed = result.map_err(from_transaction)?;
+        // Their statuses show the overrides gone.
+        for name in states.iter().flat_map(|(_, s)| &s.targets) {
+            let device = ResourceKey::device(namespace, name);
+            if let Some(latest) = self.latest_report(&device)? {
+                self.write_report(&device, latest.report, latest.received_at_ms)?;
+            }
+        }
         self.flusher.flush().await?;
+        self.outbox_changed.notify_one();
         if !changed.is_empty() {
             let _ = self.desired_changes.send(DesiredChange {
                 upserted: changed.clone(),

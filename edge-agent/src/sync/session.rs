@@ -344,6 +344,16 @@ pub fn uplink_body(pending: PendingUplink) -> uplink_entry::Body {
                 message: h.message,
             }),
             edge_rollback: latest.edge_rollback.as_ref().map(proto::EdgeRollback::from),
+            overrides: edgefleet_shared::rule_engine::shown(&latest.overrides)
+                .into_iter()
+                .map(|(property, o, in_force)| proto::RuleOverride {
+                    property,
+                    rule: o.rule,
+                    value: Some((&o.value).into()),
+                    since_ms: o.since_ms,
+                    in_force,
+                })
+                .collect(),
             firmware_version: latest.report.firmware_version.unwrap_or_default(),
             received_at_ms: latest.received_at_ms,
             device_uid: latest.uid,
@@ -511,6 +521,7 @@ mod tests {
             },
             health: None,
             edge_rollback: None,
+            overrides: BTreeMap::new(),
         };
         let device = ResourceKey::device("plant", "a");
         (seq, PendingUplink::Report { device, latest })

@@ -166,6 +166,30 @@ pub struct DeviceStatus {
     /// rollout's own status only counts devices).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rollout: Option<DeviceRolloutStatus>,
+    /// What EdgeRules acting at the edge set on top of the spec, as the
+    /// agent last said: per property, the rule in force and any it
+    /// outranked. Gone when the rules let go.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub overrides: Vec<DeviceOverride>,
+}
+
+/// A property an EdgeRule set on a device at the edge.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DeviceOverride {
+    /// The property.
+    pub property: String,
+    /// The EdgeRule (same namespace).
+    pub rule: String,
+    /// The value it set.
+    #[schemars(schema_with = "schema::property_value")]
+    pub value: PropertyValue,
+    /// Since when.
+    pub since: Time,
+    /// Whether this is the value the device is told (false: a rule of
+    /// higher priority, or of the same priority and a name sorting first,
+    /// set the property too).
+    pub in_force: bool,
 }
 
 /// A device's part in a FleetRollout.

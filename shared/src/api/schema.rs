@@ -33,6 +33,11 @@ pub fn property_map(_: &mut SchemaGenerator) -> Schema {
     })
 }
 
+/// Schema of one property value (see [`property_map`]).
+pub fn property_value(_: &mut SchemaGenerator) -> Schema {
+    json_schema!({ "x-kubernetes-preserve-unknown-fields": true })
+}
+
 /// Schema of a `conditions` list: merged by `type` under server-side apply,
 /// so the cloud and the agent's reporter can each own their own conditions.
 pub fn conditions(generator: &mut SchemaGenerator) -> Schema {

@@ -251,6 +251,7 @@ impl Agent {
             report,
             health: None,
             edge_rollback: None,
+            overrides: BTreeMap::new(),
         };
         self.current.latest.insert(key.clone(), latest);
         self.current.reports.insert(seq, key.clone());
