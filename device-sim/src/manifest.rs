@@ -14,6 +14,10 @@ use crate::fleet::DeviceSlot;
 /// can pick the simulated fleet.
 pub const SIMULATED_LABEL: &str = "edgefleet.io/simulated";
 
+/// The label with a simulated Device's model (`thermostat`, `valve`,
+/// `meter`), for selectors such as an EdgeRule's.
+pub const MODEL_LABEL: &str = "edgefleet.io/model";
+
 /// The Device resource for one slot, with its model's default desired state.
 pub fn device(namespace: &str, slot: &DeviceSlot) -> Device {
     let mut device = Device::new(
@@ -27,7 +31,13 @@ pub fn device(namespace: &str, slot: &DeviceSlot) -> Device {
         },
     );
     device.metadata.namespace = Some(namespace.to_owned());
-    device.metadata.labels = Some([(SIMULATED_LABEL.to_owned(), "true".to_owned())].into());
+    device.metadata.labels = Some(
+        [
+            (SIMULATED_LABEL.to_owned(), "true".to_owned()),
+            (MODEL_LABEL.to_owned(), slot.model.as_str().to_owned()),
+        ]
+        .into(),
+    );
     device
 }
 

@@ -587,3 +587,151 @@ async fn rules_held_one(stack: &Stack, want: f64) {
     })
     .await;
 }
+
+/// The simulator's devices (a thermostat and a valve on one node, over real
+/// CoAP), a rule with a `for` window, and the agent killed with -9 inside
+/// the window: the decision is made once, the simulated valve applies the
+/// override and reports it, and its Event reaches Kubernetes once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rule_acts_on_simulated_devices_across_a_kill_9_inside_its_for_window() {
+    let cp = control_plane();
+    let client: Client = cp.client().await;
+    let ns = test_namespace(&client, "rule-sim").await;
+    let dir = tempfile::tempdir().unwrap();
+    let spec = StackSpec {
+        nodes: vec![NODES[0].to_owned()],
+        namespace: ns.clone(),
+        // The simulator's models in turn: a thermostat, a valve, a meter.
+        devices: 3,
+        mqtt_every: 0,
+        status_writes_per_second: 100,
+        dir: dir.path().to_owned(),
+        namespaced_controller: true,
+        cloud_args: Vec::new(),
+        agent_args: Vec::new(),
+        sync_through_proxy: false,
+    };
+    let mut stack = Stack::start(spec, cp.kubeconfig()).await.unwrap();
+    stack.apply_devices(&client).await.unwrap();
+    let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
+    let model = |m: &str| json!({ "matchLabels": { "edgefleet.io/model": m } });
+    create_with_spec::<EdgeRule>(
+        &client,
+        &ns,
+        "hot-opens-valve",
+        json!({
+            "selector": model("thermostat"),
+            "when": "reported.setpoint > 30.0",
+            "forSeconds": 6,
+            "then": {
+                "set": { "open": true },
+                "target": model("valve"),
+                "event": { "reason": "Hot" },
+            },
+        }),
+    )
+    .await
+    .unwrap();
+    rules_held_one(&stack, 1.0).await;
+    stack.start_sim(&["--report-interval=1s".into()]).unwrap();
+    let all = devices.list(&Default::default()).await.unwrap().items;
+    let named = |m: &str| {
+        all.iter()
+            .find(|d| d.spec.model == m)
+            .map(ResourceExt::name_any)
+            .unwrap()
+    };
+    let (thermostat, valve) = (named("thermostat"), named("valve"));
+    let valve_open = |devices: Api<Device>, valve: String| async move {
+        devices
+            .get(&valve)
+            .await
+            .ok()?
+            .status?
+            .reported
+            .get("open")
+            .cloned()
+    };
+    eventually("the valve reports it is closed", || {
+        let (d, v) = (devices.clone(), valve.clone());
+        async move { (valve_open(d, v).await? == PropertyValue::Bool(false)).then_some(()) }
+    })
+    .await;
+
+    // The cloud raises the thermostat's setpoint; once its report of it
+    // is in, the rule's window runs.
+    devices
+        .patch(
+            &thermostat,
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "spec": { "desired": { "setpoint": 35.0 } } })),
+        )
+        .await
+        .unwrap();
+    eventually("the thermostat reports the new setpoint", || async {
+        let s = devices.get(&thermostat).await.ok()?.status?;
+        // JSON keeps no difference between 35.0 and 35.
+        let setpoint = match s.reported.get("setpoint")? {
+            PropertyValue::Float(f) => *f,
+            PropertyValue::Int(i) => *i as f64,
+            _ => return None,
+        };
+        (setpoint == 35.0).then_some(())
+    })
+    .await;
+    assert_eq!(
+        agent_metric(
+            &stack,
+            0,
+            "edgefleet_agent_rule_decisions_total{decision=\"act\"}"
+        )
+        .await,
+        0.0,
+        "acted inside its window"
+    );
+    stack.kill_and_restart_agent(0, 1).await.unwrap();
+
+    eventually(
+        "the simulated valve applied the override and reports it open",
+        || {
+            let (d, v) = (devices.clone(), valve.clone());
+            async move { (valve_open(d, v).await? == PropertyValue::Bool(true)).then_some(()) }
+        },
+    )
+    .await;
+    let status = devices.get(&valve).await.unwrap().status.unwrap();
+    assert_eq!(status.overrides.len(), 1, "{:?}", status.overrides);
+    assert_eq!(status.overrides[0].rule, "hot-opens-valve");
+    assert_eq!(
+        agent_metric(
+            &stack,
+            0,
+            "edgefleet_agent_rule_decisions_total{decision=\"act\"}"
+        )
+        .await,
+        1.0
+    );
+    // The simulated devices raise events of their own; the rule's is Hot.
+    let hot = || async {
+        let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), &ns);
+        events
+            .list(&Default::default())
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .filter(|e| {
+                e.reason.as_deref() == Some("Hot")
+                    && e.regarding.as_ref().and_then(|r| r.name.as_deref())
+                        == Some(thermostat.as_str())
+            })
+            .count()
+    };
+    eventually("the decision's Event reached Kubernetes", || async {
+        (hot().await == 1).then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(hot().await, 1, "the decision's Event twice");
+    stack.shutdown();
+}
