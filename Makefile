@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: test lint crds controlplane up bench bench-resync bench-ingest bench-rollout
+.PHONY: test lint crds controlplane up bench bench-resync bench-ingest bench-rollout bench-rules
 
 ## Build (or reuse) the local control plane, then run every test.
 test: controlplane
@@ -52,3 +52,10 @@ bench-rollout: controlplane
 bench-ingest:
 	$(CARGO) build --locked --release --bin edgefleet-ingest-bench
 	./target/release/edgefleet-ingest-bench $(BENCH_ARGS)
+
+## Measure EdgeRules: evaluations per CPU-second with 100 rules over 1,000
+## devices and the memory they take, and report -> action at the device
+## against the cloud round trip (release build). Figures: docs/benchmarks.md.
+bench-rules: controlplane
+	$(CARGO) build --locked --release --bins
+	./target/release/edgefleet-rules-bench $(BENCH_ARGS)

@@ -24,6 +24,7 @@ pub mod mosquitto;
 pub mod powercut_fs;
 pub mod process;
 pub mod rollout_timeline;
+pub mod rule_site;
 pub mod sim;
 pub mod stack;
 

@@ -326,6 +326,16 @@ impl Stack {
         .await
     }
 
+    /// The value of `sample` (a metric name with its labels) on agent
+    /// `index`'s `/metrics`; 0 when absent or unreachable.
+    pub async fn agent_metric(&self, index: usize, sample: &str) -> f64 {
+        let body = crate::process::http_get(self.agents[index].metrics, "/metrics")
+            .await
+            .map(|(_, body)| body)
+            .unwrap_or_default();
+        crate::process::metric(&body, sample)
+    }
+
     /// Resident memory of the controller and of each agent, in bytes.
     pub fn memory(&self) -> (Option<u64>, Vec<Option<u64>>) {
         (

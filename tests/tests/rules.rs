@@ -11,30 +11,22 @@
 //!   the condition clears, keeps its override across `kill -9`, and each
 //!   decision's Event reaches Kubernetes exactly once.
 
-use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use coap_lite::{RequestType, ResponseType};
-use edgefleet_shared::api::{Device, DeviceSpec, EdgeRule, Transport};
-use edgefleet_shared::codec::{self, DesiredState, DeviceReport};
-use edgefleet_shared::{PropertyValue, ResourceKey, topics};
-use edgefleet_tests::device_client::{CoapDevice, code, next_on};
-use edgefleet_tests::edge_events::device_event_ids;
+use edgefleet_shared::PropertyValue;
+use edgefleet_shared::api::{Device, EdgeRule};
 use edgefleet_tests::process::{http_get, metric};
+use edgefleet_tests::rule_site::{Site, overheat_rule};
 use edgefleet_tests::stack::{Stack, StackSpec};
 use edgefleet_tests::{control_plane, create_with_spec, eventually, test_namespace};
-use kube::api::{Patch, PatchParams, PostParams};
+use kube::api::{Patch, PatchParams};
 use kube::{Api, Client, ResourceExt};
 use serde_json::json;
 
 const NODES: [&str; 2] = ["edge-1", "edge-2"];
 
 async fn agent_metric(stack: &Stack, agent: usize, name: &str) -> f64 {
-    let body = http_get(stack.agents[agent].metrics, "/metrics")
-        .await
-        .map(|(_, body)| body)
-        .unwrap_or_default();
-    metric(&body, name)
+    stack.agent_metric(agent, name).await
 }
 
 async fn cloud_metric(stack: &Stack, name: &str) -> f64 {
@@ -211,207 +203,6 @@ async fn rules_reach_only_the_agents_of_their_devices_by_difference_and_leave_wh
     })
     .await;
     stack.shutdown();
-}
-
-/// A site with one agent whose sync link goes through a proxy, a boiler
-/// (CoAP, played by the test) and an inlet valve (MQTT, played by the
-/// test), and the rule "boiler over 80 °C closes the inlet".
-struct Site {
-    client: Client,
-    ns: String,
-    stack: Stack,
-    boiler: CoapDevice,
-    valve: (rumqttc::AsyncClient, rumqttc::EventLoop),
-    valve_topic: String,
-    _dir: tempfile::TempDir,
-}
-
-impl Site {
-    async fn start(hint: &str, rule: serde_json::Value) -> Site {
-        let cp = control_plane();
-        let client: Client = cp.client().await;
-        let ns = test_namespace(&client, hint).await;
-        let dir = tempfile::tempdir().unwrap();
-        let spec = StackSpec {
-            nodes: vec![NODES[0].to_owned()],
-            namespace: ns.clone(),
-            devices: 0,
-            mqtt_every: 0,
-            status_writes_per_second: 100,
-            dir: dir.path().to_owned(),
-            namespaced_controller: true,
-            cloud_args: Vec::new(),
-            agent_args: Vec::new(),
-            sync_through_proxy: true,
-        };
-        let stack = Stack::start(spec, cp.kubeconfig()).await.unwrap();
-        let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
-        for (name, model, transport, role, desired) in [
-            (
-                "boiler",
-                "thermostat",
-                Transport::Coap,
-                "boiler",
-                BTreeMap::new(),
-            ),
-            (
-                "inlet",
-                "valve",
-                Transport::Mqtt,
-                "inlet-valve",
-                BTreeMap::from([("open".to_owned(), PropertyValue::Bool(true))]),
-            ),
-        ] {
-            let mut device = Device::new(
-                name,
-                DeviceSpec {
-                    node: NODES[0].to_owned(),
-                    model: model.into(),
-                    transport,
-                    desired,
-                    firmware: None,
-                },
-            );
-            device.metadata.labels = Some([("role".to_owned(), role.to_owned())].into());
-            devices
-                .create(&PostParams::default(), &device)
-                .await
-                .unwrap();
-        }
-        create_with_spec::<EdgeRule>(&client, &ns, "overheat", rule)
-            .await
-            .unwrap();
-        eventually("the agent holds both devices and the rule", || async {
-            let devices = agent_metric(&stack, 0, "edgefleet_agent_devices").await;
-            let rules = agent_metric(&stack, 0, "edgefleet_agent_rules").await;
-            (devices == 2.0 && rules == 1.0).then_some(())
-        })
-        .await;
-        let agent = &stack.agents[0];
-        let valve_key = ResourceKey::device(&ns, "inlet");
-        let valve_topic = topics::desired(NODES[0], &valve_key);
-        let options =
-            rumqttc::MqttOptions::new("test-inlet", agent.mqtt.ip().to_string(), agent.mqtt.port());
-        let (mqtt, events) = rumqttc::AsyncClient::new(options, 64);
-        mqtt.subscribe(&valve_topic, rumqttc::QoS::AtLeastOnce)
-            .await
-            .unwrap();
-        let boiler = CoapDevice::new(agent.coap).await;
-        let mut site = Site {
-            client,
-            ns,
-            stack,
-            boiler,
-            valve: (mqtt, events),
-            valve_topic,
-            _dir: dir,
-        };
-        // The retained desired state: the spec's, open.
-        let first = site.valve_told().await;
-        assert_eq!(first.properties["open"], PropertyValue::Bool(true));
-        assert_eq!(first.local, 0);
-        site
-    }
-
-    /// The boiler reports `temperature` over CoAP; the agent has it
-    /// durably when this returns.
-    async fn boiler_reports(&mut self, temperature: f64) {
-        let report = DeviceReport {
-            applied_generation: 1,
-            properties: BTreeMap::from([(
-                "temperature".to_owned(),
-                PropertyValue::Float(temperature),
-            )]),
-            firmware_version: Some("1.0.0".into()),
-            firmware_failure: None,
-        };
-        let path = format!("d/{}/boiler/report", self.ns);
-        let response = self
-            .boiler
-            .send(RequestType::Post, &path, codec::encode(&report).unwrap())
-            .await;
-        assert_eq!(code(&response), ResponseType::Changed);
-    }
-
-    /// The valve reports whether it is open, over MQTT; returns once the
-    /// broker has it.
-    async fn valve_reports(&mut self, open: bool) {
-        let report = DeviceReport {
-            applied_generation: 1,
-            properties: BTreeMap::from([("open".to_owned(), PropertyValue::Bool(open))]),
-            firmware_version: Some("1.0.0".into()),
-            firmware_failure: None,
-        };
-        let topic = topics::report(NODES[0], &ResourceKey::device(&self.ns, "inlet"));
-        self.valve
-            .0
-            .publish(
-                topic,
-                rumqttc::QoS::AtLeastOnce,
-                false,
-                codec::encode(&report).unwrap(),
-            )
-            .await
-            .unwrap();
-        let acked = async {
-            loop {
-                if let Ok(rumqttc::Event::Incoming(rumqttc::Packet::PubAck(_))) =
-                    self.valve.1.poll().await
-                {
-                    return;
-                }
-            }
-        };
-        tokio::time::timeout(Duration::from_secs(10), acked)
-            .await
-            .expect("the broker acknowledged the valve's report");
-    }
-
-    /// The valve Device's status overrides: (rule, value, in force).
-    async fn valve_overrides(&self) -> Vec<(String, PropertyValue, bool)> {
-        let devices: Api<Device> = Api::namespaced(self.client.clone(), &self.ns);
-        devices
-            .get("inlet")
-            .await
-            .ok()
-            .and_then(|d| d.status)
-            .map(|s| {
-                s.overrides
-                    .into_iter()
-                    .map(|o| (o.rule, o.value, o.in_force))
-                    .collect()
-            })
-            .unwrap_or_default()
-    }
-
-    /// The next desired state the valve is told.
-    async fn valve_told(&mut self) -> DesiredState {
-        codec::decode(&next_on(&mut self.valve.1, &self.valve_topic).await).unwrap()
-    }
-
-    /// The Overheat events of the boiler in Kubernetes, as ids, repeats kept.
-    async fn overheat_events(&self) -> Vec<(u64, u64)> {
-        device_event_ids(&self.client, &self.ns)
-            .await
-            .unwrap()
-            .remove("boiler")
-            .unwrap_or_default()
-    }
-}
-
-fn overheat_rule(for_seconds: u32) -> serde_json::Value {
-    json!({
-        "selector": { "matchLabels": { "role": "boiler" } },
-        "when": "reported.temperature > 80.0",
-        "forSeconds": for_seconds,
-        "priority": 100,
-        "then": {
-            "set": { "open": false },
-            "target": { "matchLabels": { "role": "inlet-valve" } },
-            "event": { "reason": "Overheat", "message": "closing the inlet", "warning": true },
-        },
-        "restore": true,
-    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
