@@ -26,7 +26,7 @@ use prometheus_client::registry::Registry;
 use tokio::sync::broadcast::error::RecvError;
 
 use crate::store::rules::{Decision, OverrideChange, RuleEventOut};
-use crate::store::{Store, StoreError};
+use crate::store::{LatestReport, Store, StoreError};
 
 /// How often rules holding inside a `for` window are judged again, so
 /// they act when it ends without waiting for the next report.
@@ -170,13 +170,17 @@ impl Engine {
 
     /// Judges every rule for every device it watches.
     pub async fn judge_all(&mut self) -> Result<(), StoreError> {
-        let pairs: Vec<(ResourceKey, String)> = self
+        let devices: BTreeSet<ResourceKey> = self
             .rules
             .iter()
-            .flat_map(|(key, c)| c.watched.keys().map(move |d| (key.clone(), d.clone())))
+            .flat_map(|(key, c)| {
+                c.watched
+                    .keys()
+                    .map(|d| ResourceKey::device(&key.namespace, d))
+            })
             .collect();
-        for (rule, device) in pairs {
-            self.judge(&rule, &device).await?;
+        for device in devices {
+            self.judge_device(&device).await?;
         }
         Ok(())
     }
@@ -186,12 +190,12 @@ impl Engine {
     pub async fn judge_pending(&mut self) -> Result<(), StoreError> {
         let pending: Vec<(ResourceKey, String)> = self.pending.iter().cloned().collect();
         for (rule, device) in pending {
-            self.judge(&rule, &device).await?;
+            self.judge_pair(&rule, &device).await?;
         }
         Ok(())
     }
 
-    /// Judges every rule that watches `device`.
+    /// Judges every rule that watches `device`, reading its report once.
     pub async fn judge_device(&mut self, device: &ResourceKey) -> Result<(), StoreError> {
         let rules: Vec<ResourceKey> = self
             .rules
@@ -201,26 +205,59 @@ impl Engine {
             })
             .map(|(key, _)| key.clone())
             .collect();
+        if rules.is_empty() {
+            return Ok(());
+        }
+        let Some(latest) = self.store.latest_report(device)? else {
+            return Ok(());
+        };
+        let mut overrides = self.overrides_of(device)?;
         for rule in rules {
-            self.judge(&rule, &device.name).await?;
+            let changed = self.judge(&rule, device, &latest, &overrides).await?;
+            // A rule that set something on this very device deepens the
+            // chain for the rules after it.
+            if changed.contains(device) {
+                overrides = self.overrides_of(device)?;
+            }
         }
         Ok(())
     }
 
-    /// One rule for one device, on its latest report.
-    async fn judge(&mut self, key: &ResourceKey, device: &str) -> Result<(), StoreError> {
-        let Some(rule) = self.rules.get(key) else {
+    /// One rule for one device, reading what it needs.
+    async fn judge_pair(&mut self, rule: &ResourceKey, device: &str) -> Result<(), StoreError> {
+        let device = ResourceKey::device(&rule.namespace, device);
+        let Some(latest) = self.store.latest_report(&device)? else {
             return Ok(());
         };
-        let device_key = ResourceKey::device(&key.namespace, device);
-        let Some(latest) = self.store.latest_report(&device_key)? else {
-            return Ok(());
-        };
-        let overrides = self
+        let overrides = self.overrides_of(&device)?;
+        self.judge(rule, &device, &latest, &overrides).await?;
+        Ok(())
+    }
+
+    fn overrides_of(
+        &self,
+        device: &ResourceKey,
+    ) -> Result<BTreeMap<String, Vec<rule_engine::Override>>, StoreError> {
+        Ok(self
             .store
-            .desired(&device_key)?
+            .desired(device)?
             .map(|d| d.overrides)
-            .unwrap_or_default();
+            .unwrap_or_default())
+    }
+
+    /// One rule for one device, on its latest report and the overrides on
+    /// it; returns the devices whose desired state the decision changed.
+    async fn judge(
+        &mut self,
+        key: &ResourceKey,
+        device_key: &ResourceKey,
+        latest: &LatestReport,
+        overrides: &BTreeMap<String, Vec<rule_engine::Override>>,
+    ) -> Result<Vec<ResourceKey>, StoreError> {
+        let Some(rule) = self.rules.get(key) else {
+            return Ok(Vec::new());
+        };
+        let device = device_key.name.as_str();
         let no_labels = BTreeMap::new();
         let judged = rule.when.judge(Facts {
             reported: &latest.report.properties,
@@ -235,7 +272,7 @@ impl Engine {
         while acted.front().is_some_and(|t| now - t >= 60_000) {
             acted.pop_front();
         }
-        let depth = rule_engine::depth_on(&overrides);
+        let depth = rule_engine::depth_on(overrides);
         let (watch, step) = rule_engine::step(
             &rule.timing,
             &state.watch,
@@ -251,7 +288,7 @@ impl Engine {
             self.pending.remove(&pair);
         }
         if step.is_none() && watch == state.watch {
-            return Ok(());
+            return Ok(Vec::new());
         }
         let name = &rule.rule.name;
         let (overrides, event, label) = match &step {
@@ -311,7 +348,7 @@ impl Engine {
         };
         let decision = Decision {
             rule: key.clone(),
-            device: device_key,
+            device: device_key.clone(),
             watch,
             overrides,
             event,
@@ -325,7 +362,7 @@ impl Engine {
                 .inc();
             tracing::info!(rule = %key, device, decision = label, told = changed.len(), "rule decided");
         }
-        Ok(())
+        Ok(changed)
     }
 }
 

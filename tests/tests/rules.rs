@@ -275,7 +275,7 @@ async fn a_rule_acts_at_the_edge_online_and_cut_off_and_each_decision_goes_up_on
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn overrides_show_in_status_the_outranked_rule_says_so_and_a_rule_changed_offline_applies_at_resync()
+async fn overrides_show_in_status_the_outranked_rule_says_so_and_rules_changed_or_deleted_offline_apply_at_resync()
  {
     let mut site = Site::start("rule-status", overheat_rule(0)).await;
     site.valve_reports(true).await;
@@ -366,6 +366,22 @@ async fn overrides_show_in_status_the_outranked_rule_says_so_and_a_rule_changed_
     eventually("the valve's status shows cool alone in force", || async {
         let o = site.valve_overrides().await;
         (o == [("cool".to_owned(), PropertyValue::Bool(true), true)]).then_some(())
+    })
+    .await;
+
+    // Deleted while the site is cut off: the agent keeps it until resync,
+    // then ends its override.
+    site.stack.agents[0].proxy.as_ref().unwrap().cut();
+    rules.delete("cool", &Default::default()).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        site.stack.agent_metric(0, "edgefleet_agent_rules").await,
+        2.0
+    );
+    site.stack.agents[0].proxy.as_ref().unwrap().heal();
+    rules_held_one(&site.stack, 1.0).await;
+    eventually("the valve's status shows no override", || async {
+        site.valve_overrides().await.is_empty().then_some(())
     })
     .await;
     site.stack.shutdown();

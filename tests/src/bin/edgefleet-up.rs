@@ -13,8 +13,8 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use edgefleet_shared::api::rollout::FleetRollout;
-use edgefleet_shared::api::{Device, EdgeNode};
-use edgefleet_sim::manifest::SIMULATED_LABEL;
+use edgefleet_shared::api::{Device, EdgeNode, EdgeRule};
+use edgefleet_sim::manifest::{MODEL_LABEL, SIMULATED_LABEL};
 use edgefleet_tests::stack::{FIELD_MANAGER, Stack, StackSpec, ensure_namespace};
 use edgefleet_tests::{control_plane, fleet_view, install_crds};
 use kube::api::{Patch, PatchParams};
@@ -110,6 +110,14 @@ async fn main() -> anyhow::Result<()> {
         cli.namespace
     ));
     stack.start_sim(&[format!("--report-interval={}", cli.report_interval)])?;
+    match start_rule(&client, &cli.namespace).await {
+        Ok(()) => say(&format!(
+            "applied EdgeRule {DEMO_RULE}: a thermostat over 22 °C for 10 s opens the valves of its node until it cools (decided by the agents)"
+        )),
+        Err(error) => say(&format!(
+            "could not apply the demonstration rule: {error:#}"
+        )),
+    }
 
     println!();
     println!("Point kubectl at it:");
@@ -125,6 +133,10 @@ async fn main() -> anyhow::Result<()> {
             cli.namespace, cli.rollout_after_seconds
         );
     }
+    println!(
+        "  kubectl get erule -n {}            # the demonstration rule; kubectl describe device dev-00001 -n {} shows its overrides",
+        cli.namespace, cli.namespace
+    );
     println!("  kubectl describe device dev-00000 -n {}", cli.namespace);
     println!("Logs: {}/*.log", cli.dir.display());
     println!("Ctrl-C stops everything.");
@@ -190,6 +202,17 @@ async fn watch_fleet(
             table.push('\n');
             table.push_str(&fleet_view::render_rollouts(&rollouts.items));
         }
+        let overrides: Vec<&str> = devices
+            .items
+            .iter()
+            .filter_map(|d| d.status.as_ref())
+            .flat_map(|s| s.overrides.iter().filter(|o| o.in_force))
+            .map(|o| o.rule.as_str())
+            .collect();
+        table.push_str(&format!(
+            "\nEdgeRule overrides in force at the edge: {}\n",
+            overrides.len()
+        ));
         let mut out = std::io::stdout().lock();
         if tty {
             // Redraw in place: cursor up over the previous table.
@@ -250,6 +273,42 @@ async fn start_rollout(client: &Client, namespace: &str, nodes: &[String]) -> an
         )
         .await
         .context("apply the FleetRollout")?;
+    Ok(())
+}
+
+/// The demonstration rule's name.
+const DEMO_RULE: &str = "warm-opens-valves";
+
+/// Applies the demonstration EdgeRule over the simulated Devices of
+/// `namespace`: thermostats drift around their setpoint, so it acts and
+/// lets go now and then.
+async fn start_rule(client: &Client, namespace: &str) -> anyhow::Result<()> {
+    let model = |m: &str| serde_json::json!({ "matchLabels": { MODEL_LABEL: m } });
+    let rule: EdgeRule = serde_json::from_value(serde_json::json!({
+        "apiVersion": "edgefleet.io/v1alpha1",
+        "kind": "EdgeRule",
+        "metadata": { "name": DEMO_RULE, "namespace": namespace },
+        "spec": {
+            "selector": model("thermostat"),
+            "when": "reported.temperature > 22.0",
+            "forSeconds": 10,
+            "cooldownSeconds": 60,
+            "then": {
+                "set": { "open": true },
+                "target": model("valve"),
+                "event": { "reason": "Warm", "message": "opening the cooling valves of this node" },
+            },
+            "restore": true,
+        },
+    }))?;
+    Api::<EdgeRule>::namespaced(client.clone(), namespace)
+        .patch(
+            DEMO_RULE,
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(&rule),
+        )
+        .await
+        .context("apply the EdgeRule")?;
     Ok(())
 }
 
