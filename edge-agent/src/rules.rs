@@ -367,7 +367,7 @@ impl Engine {
 }
 
 /// A rule as the engine runs it, or why it cannot.
-fn compile(version: ResourceVersion, rule: proto::RuleDesired) -> Result<Compiled, String> {
+fn compile(version: ResourceVersion, mut rule: proto::RuleDesired) -> Result<Compiled, String> {
     let when = When::compile(&rule.when).map_err(|e| e.to_string())?;
     let set = rule
         .set
@@ -381,10 +381,10 @@ fn compile(version: ResourceVersion, rule: proto::RuleDesired) -> Result<Compile
         restore: rule.restore,
         max_per_minute: rule.max_actions_per_minute.max(1),
     };
-    let watched = rule
-        .watched
-        .iter()
-        .map(|w| (w.name.clone(), w.labels.clone()))
+    // Kept once, as a map (a rule may watch thousands of devices).
+    let watched = std::mem::take(&mut rule.watched)
+        .into_iter()
+        .map(|w| (w.name, w.labels))
         .collect();
     Ok(Compiled {
         version,
