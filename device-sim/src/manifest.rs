@@ -88,7 +88,10 @@ mod tests {
                 "metadata": {
                     "name": "dev-00000",
                     "namespace": "plant",
-                    "labels": {"edgefleet.io/simulated": "true"},
+                    "labels": {
+                        "edgefleet.io/simulated": "true",
+                        "edgefleet.io/model": "thermostat",
+                    },
                 },
                 "spec": {
                     "node": "edge-1",

@@ -155,18 +155,23 @@ impl Site {
     }
 }
 
+/// A rule `name` that closes the inlet while `when` holds for the boiler.
+fn closes_inlet(name: &str, when: &str) -> proto::RuleDesired {
+    rule(
+        name,
+        when,
+        &["boiler"],
+        &["inlet"],
+        &[("open", false.into())],
+    )
+}
+
 const CLOSED: Option<PropertyValue> = Some(PropertyValue::Bool(false));
 const OPEN: Option<PropertyValue> = Some(PropertyValue::Bool(true));
 
 #[tokio::test]
 async fn a_rule_waits_out_its_for_window_and_restores_when_the_condition_clears() {
-    let mut r = rule(
-        "hot",
-        "reported.x > 80",
-        &["boiler"],
-        &["inlet"],
-        &[("open", false.into())],
-    );
+    let mut r = closes_inlet("hot", "reported.x > 80");
     r.for_seconds = 1;
     let mut site = Site::new(&["boiler", "inlet"], vec![r]).await;
     site.report("boiler", 85).await;
@@ -191,13 +196,7 @@ async fn a_rule_waits_out_its_for_window_and_restores_when_the_condition_clears(
 
 #[tokio::test]
 async fn after_acting_a_rule_waits_its_cooldown_before_acting_again() {
-    let mut r = rule(
-        "hot",
-        "reported.x > 80",
-        &["boiler"],
-        &["inlet"],
-        &[("open", false.into())],
-    );
+    let mut r = closes_inlet("hot", "reported.x > 80");
     r.cooldown_seconds = 1;
     let mut site = Site::new(&["boiler", "inlet"], vec![r]).await;
     site.report("boiler", 85).await;
@@ -218,13 +217,7 @@ async fn after_acting_a_rule_waits_its_cooldown_before_acting_again() {
 
 #[tokio::test]
 async fn of_two_rules_on_one_property_the_higher_priority_wins_then_the_name() {
-    let mut close = rule(
-        "close",
-        "reported.x > 80",
-        &["boiler"],
-        &["inlet"],
-        &[("open", false.into())],
-    );
+    let mut close = closes_inlet("close", "reported.x > 80");
     close.priority = 10;
     let mut open = rule(
         "open",
@@ -235,13 +228,7 @@ async fn of_two_rules_on_one_property_the_higher_priority_wins_then_the_name() {
     );
     open.priority = 5;
     // Same priority as `open`: `a-shut` sorts first and wins that tie.
-    let mut tie = rule(
-        "a-shut",
-        "reported.x > 60",
-        &["boiler"],
-        &["inlet"],
-        &[("open", false.into())],
-    );
+    let mut tie = closes_inlet("a-shut", "reported.x > 60");
     tie.priority = 5;
     let mut site = Site::new(&["boiler", "inlet"], vec![close, open, tie]).await;
 
@@ -277,13 +264,7 @@ async fn of_two_rules_on_one_property_the_higher_priority_wins_then_the_name() {
 
 #[tokio::test]
 async fn a_rule_over_its_rate_is_refused_once_per_spell_with_an_event() {
-    let mut r = rule(
-        "hot",
-        "reported.x > 80",
-        &["boiler"],
-        &["inlet"],
-        &[("open", false.into())],
-    );
+    let mut r = closes_inlet("hot", "reported.x > 80");
     r.max_actions_per_minute = 2;
     let mut site = Site::new(&["boiler", "inlet"], vec![r]).await;
     for _ in 0..2 {

@@ -52,13 +52,11 @@ impl Site {
             nodes: vec![NODE.to_owned()],
             namespace: ns.clone(),
             devices: 0,
-            mqtt_every: 0,
             status_writes_per_second: 100,
             dir: dir.path().to_owned(),
             namespaced_controller: true,
-            cloud_args: Vec::new(),
-            agent_args: Vec::new(),
             sync_through_proxy: true,
+            ..StackSpec::default()
         };
         let stack = Stack::start(spec, cp.kubeconfig()).await.unwrap();
         let devices: Api<Device> = Api::namespaced(client.clone(), &ns);

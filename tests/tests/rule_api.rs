@@ -189,6 +189,7 @@ async fn the_controller_accepts_what_its_agents_can_run_and_refuses_the_rest_wit
     // Every simulated Device carries edgefleet.io/simulated=true.
     let mut good = valid_spec();
     good["selector"] = json!({ "matchLabels": { "edgefleet.io/simulated": "true" } });
+    good["then"]["target"] = json!({ "matchLabels": { "edgefleet.io/model": "valve" } });
     create(&client, &ns, "good", good).await.unwrap();
     let (status, reason, _, devices) =
         eventually_within(Duration::from_secs(30), "the good rule judged", || {
@@ -211,6 +212,19 @@ async fn the_controller_accepts_what_its_agents_can_run_and_refuses_the_rest_wit
         ("False", "InvalidExpression")
     );
     assert!(message.contains("spec.when does not compile"), "{message}");
+
+    // valid_spec's target (role=inlet-valve) selects none of them.
+    create(&client, &ns, "aimless", valid_spec()).await.unwrap();
+    let (status, reason, message, _) =
+        eventually_within(Duration::from_secs(30), "the aimless rule judged", || {
+            accepted("aimless")
+        })
+        .await;
+    assert_eq!((status.as_str(), reason.as_str()), ("False", "NoTarget"));
+    assert!(
+        message.contains("spec.then.target selects no Device"),
+        "{message}"
+    );
 
     let mut blind = valid_spec();
     blind["when"] = json!("desired.open == true");

@@ -70,13 +70,10 @@ async fn rules_reach_only_the_agents_of_their_devices_by_difference_and_leave_wh
         nodes: NODES.iter().map(|n| (*n).to_owned()).collect(),
         namespace: ns.clone(),
         devices: 4,
-        mqtt_every: 0,
         status_writes_per_second: 100,
         dir: dir.path().to_owned(),
         namespaced_controller: true,
-        cloud_args: Vec::new(),
-        agent_args: Vec::new(),
-        sync_through_proxy: false,
+        ..StackSpec::default()
     };
     let mut stack = Stack::start(spec, cp.kubeconfig()).await.unwrap();
     stack.apply_devices(&client).await.unwrap();
@@ -410,13 +407,10 @@ async fn a_rule_acts_on_simulated_devices_across_a_kill_9_inside_its_for_window(
         namespace: ns.clone(),
         // The simulator's models in turn: a thermostat, a valve, a meter.
         devices: 3,
-        mqtt_every: 0,
         status_writes_per_second: 100,
         dir: dir.path().to_owned(),
         namespaced_controller: true,
-        cloud_args: Vec::new(),
-        agent_args: Vec::new(),
-        sync_through_proxy: false,
+        ..StackSpec::default()
     };
     let mut stack = Stack::start(spec, cp.kubeconfig()).await.unwrap();
     stack.apply_devices(&client).await.unwrap();

@@ -167,10 +167,21 @@ impl Store {
     /// returns them.
     pub async fn decide(&self, decision: &Decision) -> Result<Vec<ResourceKey>, StoreError> {
         let (changed, touched, seq) = self.decide_locked(decision)?;
-        // Each touched device's latest report goes up again with the
-        // overrides it has now, so its status shows them.
-        let mut queued = seq.is_some();
-        for device in &touched {
+        self.overrides_changed(&touched, changed, seq.is_some())
+            .await
+    }
+
+    /// After overrides changed on `touched`: each device's latest report
+    /// goes up again with the overrides it has now (so its status shows
+    /// them), everything is made durable, then the uplink (if anything was
+    /// `queued`) and the device publishers (of `changed`) are told.
+    async fn overrides_changed(
+        &self,
+        touched: &[ResourceKey],
+        changed: Vec<ResourceKey>,
+        mut queued: bool,
+    ) -> Result<Vec<ResourceKey>, StoreError> {
+        for device in touched {
             if let Some(latest) = self.latest_report(device)? {
                 queued |= self
                     .write_report(device, latest.report, latest.received_at_ms)?
@@ -353,22 +364,12 @@ impl Store {
             Ok(changed)
         });
         let changed = result.map_err(from_transaction)?;
-        // Their statuses show the overrides gone.
-        for name in states.iter().flat_map(|(_, s)| &s.targets) {
-            let device = ResourceKey::device(namespace, name);
-            if let Some(latest) = self.latest_report(&device)? {
-                self.write_report(&device, latest.report, latest.received_at_ms)?;
-            }
-        }
-        self.flusher.flush().await?;
-        self.outbox_changed.notify_one();
-        if !changed.is_empty() {
-            let _ = self.desired_changes.send(DesiredChange {
-                upserted: changed.clone(),
-                removed: Vec::new(),
-            });
-        }
-        Ok(changed)
+        let touched: Vec<ResourceKey> = states
+            .iter()
+            .flat_map(|(_, s)| &s.targets)
+            .map(|name| ResourceKey::device(namespace, name))
+            .collect();
+        self.overrides_changed(&touched, changed, false).await
     }
 
     /// Every rule with a state kept for some device.
