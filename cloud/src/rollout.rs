@@ -10,7 +10,10 @@
 //!   the Device's `resourceVersion` as the step saw it: a step working from
 //!   a stale view gets a conflict, never a second change. A change the
 //!   reflector has not shown yet is taken from the patch's answer, so the
-//!   next step counts it against the limits at once.
+//!   next step counts it against the limits at once. The same holds for
+//!   the rollout's own status: a reconcile that runs before the reflector
+//!   shows the last status written (a Device change wakes it at once)
+//!   works from that status, so why a rollback began is never forgotten.
 //! - **One budget.** Device changes and status writes wait for the status
 //!   writer's budget, so a rollout adds no burst of writes on top of it.
 //! - **Membership**: the Devices of the rollout's namespace that match its
@@ -70,6 +73,10 @@ pub const TICK: Duration = Duration::from_secs(2);
 /// resourceVersion the patch was made against, and the answer.
 type Patched = (String, Arc<Device>);
 
+/// The status last written to a rollout the reflector may not show yet:
+/// the resourceVersion it was written against, and the status.
+type Written = (String, FleetRolloutStatus);
+
 /// What the reconciler works with.
 pub struct Context {
     client: Client,
@@ -80,6 +87,7 @@ pub struct Context {
     events: Events,
     rollouts: OnceLock<Store<FleetRollout>>,
     patched: Mutex<HashMap<ObjectRef<Device>, Patched>>,
+    written: Mutex<HashMap<ObjectRef<FleetRollout>, Written>>,
 }
 
 impl std::fmt::Debug for Context {
@@ -107,6 +115,7 @@ impl Context {
             events,
             rollouts: OnceLock::new(),
             patched: Mutex::default(),
+            written: Mutex::default(),
         }
     }
 }
@@ -167,7 +176,11 @@ async fn reconcile(
         match event {
             finalizer::Event::Apply(rollout) => advance(rollout, context).await,
             // Deletion undoes nothing (docs/rollouts.md).
-            finalizer::Event::Cleanup(_) => Ok(Action::await_change()),
+            finalizer::Event::Cleanup(rollout) => {
+                let key = ObjectRef::from_obj(&*rollout);
+                context.written.lock().expect("written").remove(&key);
+                Ok(Action::await_change())
+            }
         }
     })
     .await
@@ -175,7 +188,7 @@ async fn reconcile(
 
 async fn advance(rollout: Arc<FleetRollout>, context: Arc<Context>) -> Result<Action, Error> {
     let now = Timestamp::now();
-    let current = rollout.status.clone().unwrap_or_default();
+    let current = context.current_status(&rollout);
     // A finished rollout is left alone until its spec changes (an abort of
     // a completed rollout still rolls it back); with Dynamic membership a
     // completed rollout goes on taking late joiners.
@@ -246,6 +259,10 @@ async fn advance(rollout: Arc<FleetRollout>, context: Arc<Context>) -> Result<Ac
             &Patch::Apply(&patch),
         )
         .await?;
+        if let Some(version) = rollout.resource_version() {
+            let mut written = context.written.lock().expect("written");
+            written.insert(ObjectRef::from_obj(&*rollout), (version, status));
+        }
     }
     Ok(action)
 }
@@ -482,6 +499,23 @@ impl Context {
 
     /// Changes the members the step starts and changes back those it rolls
     /// back, one budgeted, conditional patch each.
+    /// The rollout's status: the one this controller wrote last while the
+    /// reflector still shows the object it was written over, else the
+    /// reflector's.
+    fn current_status(&self, rollout: &FleetRollout) -> FleetRolloutStatus {
+        let mut written = self.written.lock().expect("written");
+        let key = ObjectRef::from_obj(rollout);
+        match written.get(&key) {
+            Some((before, status)) if rollout.resource_version().as_ref() == Some(before) => {
+                status.clone()
+            }
+            _ => {
+                written.remove(&key);
+                rollout.status.clone().unwrap_or_default()
+            }
+        }
+    }
+
     async fn act(
         &self,
         rollout: &FleetRollout,
