@@ -10,12 +10,13 @@
 //! Device changes re-run every rule, so a relabelled Device joins or leaves
 //! the rules that select it.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
 use edgefleet_shared::api::rule::{EdgeRule, EdgeRuleSpec, EdgeRuleStatus};
 use edgefleet_shared::api::{Device, EdgeNode};
+use edgefleet_shared::model::{self, Misfit};
 use edgefleet_shared::rule_when::When;
 use edgefleet_shared::{ResourceKey, ResourceVersion, proto};
 use futures::{Stream, StreamExt};
@@ -132,6 +133,8 @@ pub struct Refusal {
 /// The parsed selectors of an accepted rule.
 #[derive(Debug)]
 pub struct Judged {
+    /// The properties `when` reads off `reported`.
+    reads: BTreeSet<String>,
     devices: Selector,
     nodes: Option<Selector>,
     targets: Option<Selector>,
@@ -140,7 +143,7 @@ pub struct Judged {
 /// Judges `spec` as its agents will: its parsed selectors if they can run
 /// it, else why not.
 pub fn judge(spec: &EdgeRuleSpec) -> Result<Judged, Refusal> {
-    When::compile(&spec.when).map_err(|e| Refusal {
+    let when = When::compile(&spec.when).map_err(|e| Refusal {
         reason: "InvalidExpression",
         message: e.to_string(),
     })?;
@@ -157,6 +160,7 @@ pub fn judge(spec: &EdgeRuleSpec) -> Result<Judged, Refusal> {
         .map(|t| selector("spec.then.target", t))
         .transpose()?;
     Ok(Judged {
+        reads: when.reads(),
         targets,
         devices: selector("spec.selector", &spec.selector)?,
         nodes: spec
@@ -210,6 +214,10 @@ impl Context {
                 .get(&ObjectRef::new(node))
                 .map(|n| n.labels().clone())
         });
+        if let Err(refusal) = fits_models(rule, &judged, &bodies, &devices) {
+            self.index.remove_rule(&key);
+            return Err(refusal);
+        }
         let watched = bodies
             .values()
             .map(|b| match &b.body {
@@ -397,6 +405,70 @@ fn has_target(rule: &EdgeRule, judged: &Judged, devices: &[Arc<Device>]) -> Resu
             ),
         })
     }
+}
+
+/// A rule must read and set only what its Devices' models have: each
+/// property `when` reads off `reported` must be one of every watched
+/// Device's model, and each `then.set` a writable property, of its type,
+/// of every Device it sets. Devices of a model Edgefleet does not know
+/// ([`model::MODELS`]) are not checked.
+fn fits_models(
+    rule: &EdgeRule,
+    judged: &Judged,
+    bodies: &BTreeMap<String, Indexed>,
+    devices: &[Arc<Device>],
+) -> Result<(), Refusal> {
+    let namespace = rule.namespace();
+    let models: HashMap<String, &str> = devices
+        .iter()
+        .filter(|d| d.namespace() == namespace)
+        .map(|d| (d.name_any(), d.spec.model.as_str()))
+        .collect();
+    let known = |name: &str| models.get(name).and_then(|m| model::find(m));
+    for entry in bodies.values() {
+        let proto::resource::Body::Rule(body) = &entry.body else {
+            continue;
+        };
+        for watched in &body.watched {
+            let Some(model) = known(&watched.name) else {
+                continue;
+            };
+            if let Some(missing) = judged.reads.iter().find(|r| model.property(r).is_none()) {
+                return Err(Refusal {
+                    reason: "UnknownProperty",
+                    message: format!(
+                        "spec.when reads reported.{missing}, but it watches Device {} of model {}, which has no such property (it has {}); narrow spec.selector or fix the expression",
+                        watched.name,
+                        model.name,
+                        model.names()
+                    ),
+                });
+            }
+        }
+        let set_on = match body.set_on_targets {
+            true => body.targets.clone(),
+            false => body.watched.iter().map(|w| w.name.clone()).collect(),
+        };
+        for name in set_on {
+            let Some(model) = known(&name) else {
+                continue;
+            };
+            for (property, value) in &rule.spec.then.set {
+                if let Err(misfit) = model.check_set(property, value) {
+                    let reason = match misfit {
+                        Misfit::Unknown { .. } => "UnknownProperty",
+                        Misfit::ReadOnly { .. } => "ReadOnlyProperty",
+                        Misfit::WrongType { .. } => "InvalidValue",
+                    };
+                    return Err(Refusal {
+                        reason,
+                        message: format!("spec.then.set.{property}: Device {name}: {misfit}"),
+                    });
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// What a rule did at the edge, as the Devices' statuses show it.
@@ -653,6 +725,56 @@ mod tests {
         let winner = outcome(&rule(spec("online")), &devices);
         assert!(winner.outranked.is_empty());
         assert_eq!(overridden(&winner.outranked, Some(1)).status, "False");
+    }
+
+    #[test]
+    fn a_rule_reading_or_setting_what_its_devices_models_lack_is_refused() {
+        let of_model = |name: &str, model: &str, role: &str| {
+            let mut d = (*device(name, "edge-1", &[("role", role)])).clone();
+            d.spec.model = model.into();
+            Arc::new(d)
+        };
+        let devices = [
+            of_model("boiler", "thermostat", "boiler"),
+            of_model("inlet", "valve", "valve"),
+            of_model("gauge", "pressure-gauge", "boiler"),
+        ];
+        let check = |when: &str, set: serde_json::Value| {
+            let rule = rule(
+                serde_json::from_value(serde_json::json!({
+                    "selector": { "matchLabels": { "role": "boiler" } },
+                    "when": when,
+                    "then": { "set": set, "target": { "matchLabels": { "role": "valve" } } },
+                }))
+                .unwrap(),
+            );
+            let judged = judge(&rule.spec).unwrap();
+            let bodies = node_bodies(&rule, &judged, &devices, |_| None);
+            fits_models(&rule, &judged, &bodies, &devices)
+        };
+        let open = serde_json::json!({ "open": false });
+        // The gauge's model is unknown: it is not checked.
+        assert_eq!(check("reported.temperature > 80.0", open.clone()), Ok(()));
+        let refused = check("reported.temprature > 80.0", open.clone()).unwrap_err();
+        assert_eq!(refused.reason, "UnknownProperty");
+        assert!(
+            refused
+                .message
+                .contains("reported.temprature, but it watches Device boiler of model thermostat"),
+            "{refused:?}"
+        );
+        let refused = check("online", serde_json::json!({ "opened": false })).unwrap_err();
+        assert_eq!(refused.reason, "UnknownProperty");
+        assert!(
+            refused
+                .message
+                .starts_with("spec.then.set.opened: Device inlet:"),
+            "{refused:?}"
+        );
+        let refused = check("online", serde_json::json!({ "flow": 0.0 })).unwrap_err();
+        assert_eq!(refused.reason, "ReadOnlyProperty");
+        let refused = check("online", serde_json::json!({ "open": "no" })).unwrap_err();
+        assert_eq!(refused.reason, "InvalidValue");
     }
 
     #[test]

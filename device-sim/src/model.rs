@@ -350,6 +350,53 @@ mod tests {
             .collect()
     }
 
+    /// A value of `kind` unlike `now`.
+    fn another(kind: edgefleet_shared::model::Kind, now: &PropertyValue) -> PropertyValue {
+        use edgefleet_shared::model::Kind;
+        match (kind, now) {
+            (Kind::Number, v) => PropertyValue::Float(v.as_f64().unwrap_or(0.0) + 7.0),
+            (Kind::Bool, PropertyValue::Bool(b)) => PropertyValue::Bool(!b),
+            (Kind::Word(words), v) => words
+                .iter()
+                .map(|w| PropertyValue::String((*w).to_owned()))
+                .find(|w| w != v)
+                .expect("a second word"),
+            (kind, v) => panic!("{v:?} is not {kind}"),
+        }
+    }
+
+    #[test]
+    fn each_model_reports_and_takes_what_the_shared_catalog_says() {
+        for kind in ModelKind::ALL {
+            let catalog = edgefleet_shared::model::find(kind.as_str()).expect("in the catalog");
+            let mut rng = rng(3);
+            let mut model = kind.instantiate(&mut rng);
+            model.step(Duration::from_secs(1), &mut rng);
+            let before = model.properties();
+            let names: Vec<&str> = before.keys().map(String::as_str).collect();
+            let mut listed: Vec<&str> = catalog.properties.iter().map(|p| p.name).collect();
+            listed.sort_unstable();
+            assert_eq!(names, listed, "{kind}");
+            for p in catalog.properties {
+                let now = &model.properties()[p.name];
+                assert!(p.kind.admits(now), "{kind}.{}: {now:?}", p.name);
+                let new = another(p.kind, now);
+                model.apply(&Properties::from([(p.name.to_owned(), new.clone())]));
+                let after = &model.properties()[p.name];
+                match p.writable {
+                    true => assert_eq!(after, &new, "{kind}.{} is writable", p.name),
+                    false => assert_eq!(after, now, "{kind}.{} is read-only", p.name),
+                }
+            }
+            for name in kind.default_desired().keys() {
+                assert!(
+                    catalog.property(name).is_some_and(|p| p.writable),
+                    "{kind}.{name}"
+                );
+            }
+        }
+    }
+
     /// The reported snapshots of `kind` over `steps` steps of one second.
     fn trajectory(kind: ModelKind, seed: u64, steps: usize) -> Vec<Properties> {
         let mut rng = rng(seed);

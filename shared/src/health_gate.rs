@@ -65,13 +65,9 @@ pub enum Verdict {
 /// the syntax error, or the first other name it uses.
 pub(crate) fn compile_over(source: &str, names: &[&str]) -> Result<Program, HealthGateError> {
     let program = Program::compile(source).map_err(|e| HealthGateError::Syntax(e.to_string()))?;
-    if let Some(unknown) = program
-        .references()
-        .variables()
-        .into_iter()
-        .find(|name| !names.contains(name))
-    {
-        return Err(HealthGateError::UnknownName(unknown.to_owned()));
+    let used = crate::cel_names::names(program.expression(), "");
+    if let Some(unknown) = used.free.into_iter().find(|n| !names.contains(&n.as_str())) {
+        return Err(HealthGateError::UnknownName(unknown));
     }
     Ok(program)
 }

@@ -15,6 +15,7 @@
 #![deny(missing_docs)]
 
 pub mod api;
+mod cel_names;
 pub mod codec;
 pub mod health;
 pub mod health_check;
@@ -22,6 +23,7 @@ pub mod health_gate;
 pub mod heartbeat;
 pub mod holdings;
 pub mod key;
+pub mod model;
 pub mod property;
 pub mod proto;
 pub mod rollout_member;

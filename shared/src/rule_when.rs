@@ -9,7 +9,7 @@
 //! be judged (a property never reported, a type it cannot compare): an
 //! unknown condition neither starts nor ends what the rule does.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use cel::{Context, ExecutionError, Program, Value};
 
@@ -86,6 +86,12 @@ impl When {
         &self.source
     }
 
+    /// The reported properties the expression reads by name
+    /// (`reported.x`, `reported['x']`, `has(reported.x)`), sorted.
+    pub fn reads(&self) -> BTreeSet<String> {
+        crate::cel_names::names(self.program.expression(), "reported").fields
+    }
+
     /// Judges one device.
     pub fn judge(&self, facts: Facts<'_>) -> Judged {
         let reported: HashMap<String, Value> = facts
@@ -143,6 +149,15 @@ mod tests {
         ));
         let firmware = When::compile("firmware.startsWith('2.')").unwrap();
         assert_eq!(firmware.judge(facts(&hot, true)), Judged::Clear);
+    }
+
+    #[test]
+    fn a_condition_may_use_comprehensions_and_says_what_it_reads() {
+        let when =
+            When::compile("[70.0, 80.0].exists(t, reported.temperature > t) && has(reported.fan)")
+                .unwrap();
+        let reads: Vec<String> = when.reads().into_iter().collect();
+        assert_eq!(reads, ["fan", "temperature"]);
     }
 
     #[test]

@@ -186,18 +186,56 @@ async fn the_controller_accepts_what_its_agents_can_run_and_refuses_the_rest_wit
             })
         }
     };
-    // Every simulated Device carries edgefleet.io/simulated=true.
+    // The six simulated Devices: two each of thermostat, valve and meter.
     let mut good = valid_spec();
-    good["selector"] = json!({ "matchLabels": { "edgefleet.io/simulated": "true" } });
+    good["selector"] = json!({ "matchLabels": { "edgefleet.io/model": "thermostat" } });
     good["then"]["target"] = json!({ "matchLabels": { "edgefleet.io/model": "valve" } });
-    create(&client, &ns, "good", good).await.unwrap();
+    create(&client, &ns, "good", good.clone()).await.unwrap();
     let (status, reason, _, devices) =
         eventually_within(Duration::from_secs(30), "the good rule judged", || {
             accepted("good")
         })
         .await;
     assert_eq!((status.as_str(), reason.as_str()), ("True", "Valid"));
-    assert_eq!(devices, 6, "it watches the six simulated Devices");
+    assert_eq!(devices, 2, "it watches the two simulated thermostats");
+
+    // Properties the models do not have: read off a valve or a meter, or
+    // set where the valve only reports.
+    let mut misread = good.clone();
+    misread["selector"] = json!({ "matchLabels": { "edgefleet.io/simulated": "true" } });
+    create(&client, &ns, "misread", misread).await.unwrap();
+    let (status, reason, message, _) = eventually_within(
+        Duration::from_secs(30),
+        "the misreading rule judged",
+        || accepted("misread"),
+    )
+    .await;
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("False", "UnknownProperty")
+    );
+    assert!(
+        message.contains("spec.when reads reported.temperature")
+            && (message.contains("of model valve") || message.contains("of model meter")),
+        "{message}"
+    );
+    let mut misset = good;
+    misset["then"]["set"] = json!({ "flow": 0.0 });
+    create(&client, &ns, "misset", misset).await.unwrap();
+    let (status, reason, message, _) = eventually_within(
+        Duration::from_secs(30),
+        "the missetting rule judged",
+        || accepted("misset"),
+    )
+    .await;
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("False", "ReadOnlyProperty")
+    );
+    assert!(
+        message.contains("spec.then.set.flow") && message.contains("read-only"),
+        "{message}"
+    );
 
     let mut broken = valid_spec();
     broken["when"] = json!("reported.temperature >");
