@@ -211,13 +211,13 @@ impl Engine {
         let Some(latest) = self.store.latest_report(device)? else {
             return Ok(());
         };
-        let mut overrides = self.overrides_of(device)?;
+        let mut depth = self.depth_on(device)?;
         for rule in rules {
-            let changed = self.judge(&rule, device, &latest, &overrides).await?;
-            // A rule that set something on this very device deepens the
-            // chain for the rules after it.
+            let changed = self.judge(&rule, device, &latest, depth).await?;
+            // A rule that changed this very device deepens the chain for
+            // the rules after it.
             if changed.contains(device) {
-                overrides = self.overrides_of(device)?;
+                depth = self.depth_on(device)?;
             }
         }
         Ok(())
@@ -229,30 +229,27 @@ impl Engine {
         let Some(latest) = self.store.latest_report(&device)? else {
             return Ok(());
         };
-        let overrides = self.overrides_of(&device)?;
-        self.judge(rule, &device, &latest, &overrides).await?;
+        let depth = self.depth_on(&device)?;
+        self.judge(rule, &device, &latest, depth).await?;
         Ok(())
     }
 
-    fn overrides_of(
-        &self,
-        device: &ResourceKey,
-    ) -> Result<BTreeMap<String, Vec<rule_engine::Override>>, StoreError> {
-        Ok(self
-            .store
-            .desired(device)?
-            .map(|d| d.overrides)
-            .unwrap_or_default())
+    /// How deep in a chain of rules a decision on `device`'s report is:
+    /// one deeper than the last rule change to what it is told.
+    fn depth_on(&self, device: &ResourceKey) -> Result<u32, StoreError> {
+        let chain = self.store.desired(device)?.map_or(0, |d| d.chain);
+        Ok(chain.saturating_add(1))
     }
 
-    /// One rule for one device, on its latest report and the overrides on
-    /// it; returns the devices whose desired state the decision changed.
+    /// One rule for one device, on its latest report, at `depth` in a
+    /// chain of rules; returns the devices whose desired state the
+    /// decision changed.
     async fn judge(
         &mut self,
         key: &ResourceKey,
         device_key: &ResourceKey,
         latest: &LatestReport,
-        overrides: &BTreeMap<String, Vec<rule_engine::Override>>,
+        depth: u32,
     ) -> Result<Vec<ResourceKey>, StoreError> {
         let Some(rule) = self.rules.get(key) else {
             return Ok(Vec::new());
@@ -272,7 +269,6 @@ impl Engine {
         while acted.front().is_some_and(|t| now - t >= 60_000) {
             acted.pop_front();
         }
-        let depth = rule_engine::depth_on(overrides);
         let (watch, step) = rule_engine::step(
             &rule.timing,
             &state.watch,
@@ -306,7 +302,6 @@ impl Engine {
                         },
                         set: rule.set.clone(),
                         priority: rule.rule.priority,
-                        depth,
                     }
                 };
                 let event = rule.rule.event.as_ref().map(|e| RuleEventOut {
@@ -353,6 +348,7 @@ impl Engine {
             overrides,
             event,
             at_ms: now,
+            depth,
         };
         let changed = self.store.decide(&decision).await?;
         if let Some(label) = label {

@@ -22,18 +22,12 @@ use tokio::net::UdpSocket;
 const QUIET: Duration = Duration::from_millis(300);
 
 fn thermostat(generation: i64, setpoint: f64) -> DesiredDevice {
-    DesiredDevice {
-        version: ResourceVersion::new("uid", generation),
-        model: "thermostat".into(),
-        transport: Transport::Coap,
-        properties: BTreeMap::from([("setpoint".to_owned(), PropertyValue::Float(setpoint))]),
-        firmware: None,
-        health_check: None,
-        site_rollback: None,
-        rolled_back_at_edge: None,
-        overrides: BTreeMap::new(),
-        local: 0,
-    }
+    DesiredDevice::new(
+        ResourceVersion::new("uid", generation),
+        "thermostat",
+        Transport::Coap,
+        BTreeMap::from([("setpoint".to_owned(), PropertyValue::Float(setpoint))]),
+    )
 }
 
 fn key(name: &str) -> ResourceKey {

@@ -17,18 +17,12 @@ use rumqttc::{AsyncClient, Event, EventLoop, MqttOptions, Packet, QoS};
 const NODE: &str = "edge-mqtt";
 
 fn device(generation: i64, setpoint: f64) -> DesiredDevice {
-    DesiredDevice {
-        version: ResourceVersion::new("uid", generation),
-        model: "thermostat".into(),
-        transport: Transport::Mqtt,
-        properties: BTreeMap::from([("setpoint".to_owned(), PropertyValue::Float(setpoint))]),
-        firmware: None,
-        health_check: None,
-        site_rollback: None,
-        rolled_back_at_edge: None,
-        overrides: BTreeMap::new(),
-        local: 0,
-    }
+    DesiredDevice::new(
+        ResourceVersion::new("uid", generation),
+        "thermostat",
+        Transport::Mqtt,
+        BTreeMap::from([("setpoint".to_owned(), PropertyValue::Float(setpoint))]),
+    )
 }
 
 async fn test_client(port: u16, id: &str) -> (AsyncClient, EventLoop) {

@@ -19,18 +19,12 @@ use edgefleet_shared::{PropertyValue, ResourceKey, ResourceVersion, proto};
 const NS: &str = "plant";
 
 fn device(name: &str) -> (ResourceKey, Desired) {
-    let desired = DesiredDevice {
-        version: ResourceVersion::new(format!("uid-{name}"), 1),
-        model: "valve".into(),
-        transport: Transport::Mqtt,
-        properties: BTreeMap::from([("open".to_owned(), PropertyValue::Bool(true))]),
-        firmware: None,
-        health_check: None,
-        site_rollback: None,
-        rolled_back_at_edge: None,
-        overrides: BTreeMap::new(),
-        local: 0,
-    };
+    let desired = DesiredDevice::new(
+        ResourceVersion::new(format!("uid-{name}"), 1),
+        "valve",
+        Transport::Mqtt,
+        BTreeMap::from([("open".to_owned(), PropertyValue::Bool(true))]),
+    );
     (ResourceKey::device(NS, name), desired.into())
 }
 
@@ -349,4 +343,65 @@ async fn a_rule_that_leaves_the_agent_ends_its_overrides() {
     site.engine.reload().await.unwrap();
     assert_eq!(site.told("boiler", "open"), (OPEN, 2));
     assert!(site.store.rules_with_state().unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn two_rules_setting_and_restoring_each_others_device_stop_at_the_depth_bound() {
+    // a runs at x = 1 on its own, b at 0. While a is at 1, ab puts b at 1;
+    // while b is at 1, ba puts a at 0. Each restores when its condition
+    // clears, which lets the other device go back: a loop that would go
+    // on for ever. Restores are links of the chain too, so it stops.
+    let x = |v: i64| [("x", PropertyValue::Int(v))];
+    let rules = vec![
+        rule("ab", "reported.x > 0", &["a"], &["b"], &x(1)),
+        rule("ba", "reported.x > 0", &["b"], &["a"], &x(0)),
+    ];
+    let mut site = Site::new(&["a", "b"], rules).await;
+    let x_of = |told: Option<PropertyValue>, natural: i64| match told {
+        Some(PropertyValue::Int(v)) => v,
+        _ => natural,
+    };
+    for _ in 0..20 {
+        let a = x_of(site.told("a", "x").0, 1);
+        site.report("a", a).await;
+        let b = x_of(site.told("b", "x").0, 0);
+        site.report("b", b).await;
+    }
+    // Acts at depths 1, 2, 5, 6; restores at 3, 4, 7, 8; the act at 9 is
+    // refused, once.
+    assert_eq!(site.decisions("act"), 4);
+    assert_eq!(site.decisions("restore"), 4);
+    assert_eq!(site.decisions("chain_too_deep"), 1);
+    let refused: Vec<_> = site
+        .events()
+        .into_iter()
+        .filter(|(_, reason, _)| reason == "RuleRefused")
+        .collect();
+    assert_eq!(refused.len(), 1, "{refused:?}");
+    assert!(
+        refused[0].0 == "a"
+            && refused[0].2.contains("EdgeRule ab")
+            && refused[0].2.contains("9 deep"),
+        "{refused:?}"
+    );
+    // The loop is over: neither device is told anything by a rule.
+    assert_eq!(site.told("a", "x").0, None);
+    assert_eq!(site.told("b", "x").0, None);
+    // A new generation of a (a person's change) starts its chains again;
+    // without one, the next spell of ab is refused too.
+    site.report("a", 0).await;
+    site.report("a", 1).await;
+    assert_eq!(site.decisions("chain_too_deep"), 2);
+    let again = DesiredDevice::new(
+        ResourceVersion::new("uid-a", 2),
+        "valve",
+        Transport::Mqtt,
+        BTreeMap::new(),
+    );
+    let a = ResourceKey::device(NS, "a");
+    site.store.apply(&[(a, again)], &[]).await.unwrap();
+    site.report("a", 0).await;
+    site.report("a", 1).await;
+    assert_eq!(site.decisions("act"), 5, "acts at depth 1 again");
+    assert_eq!(site.told("b", "x").0, Some(PropertyValue::Int(1)));
 }

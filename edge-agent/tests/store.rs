@@ -15,18 +15,12 @@ use edgefleet_shared::codec::{DeviceEvent, DeviceReport};
 use edgefleet_shared::{PropertyValue, ResourceKey, ResourceVersion};
 
 fn thermostat(uid: &str, generation: i64, setpoint: f64) -> DesiredDevice {
-    DesiredDevice {
-        version: ResourceVersion::new(uid, generation),
-        model: "thermostat".into(),
-        transport: Transport::Coap,
-        properties: BTreeMap::from([("setpoint".to_owned(), PropertyValue::Float(setpoint))]),
-        firmware: None,
-        health_check: None,
-        site_rollback: None,
-        rolled_back_at_edge: None,
-        overrides: BTreeMap::new(),
-        local: 0,
-    }
+    DesiredDevice::new(
+        ResourceVersion::new(uid, generation),
+        "thermostat",
+        Transport::Coap,
+        BTreeMap::from([("setpoint".to_owned(), PropertyValue::Float(setpoint))]),
+    )
 }
 
 fn report(generation: i64, temperature: f64) -> DeviceReport {

@@ -14,9 +14,12 @@ use serde::{Deserialize, Serialize};
 use crate::PropertyValue;
 use crate::rule_when::Judged;
 
-/// How deep a chain of rules may go: a rule acting on a device whose
-/// desired state another rule's override set is one level deeper than
-/// that override. Deeper decisions are refused.
+/// How deep a chain of rules may go. A decision on a device's report is
+/// one level deeper than the last change a rule made to what that device
+/// is told (setting an override or ending one: a restore that lets a
+/// device go back is as much a cause as the set), and a device a person
+/// gave a new generation starts again at 0. Deeper decisions are refused,
+/// so rules that keep setting and restoring each other's devices stop.
 pub const MAX_CHAIN_DEPTH: u32 = 8;
 
 /// What [`step`] needs of a rule.
@@ -142,9 +145,6 @@ pub struct Override {
     pub value: PropertyValue,
     /// Since when (Unix ms).
     pub since_ms: i64,
-    /// How deep in a chain of rules the decision was (1: caused by a
-    /// report the device made on its own).
-    pub depth: u32,
     /// The watched device whose report made the rule act: a rule acting
     /// for two devices on one target holds two overrides, and each ends
     /// with its own device's condition.
@@ -219,18 +219,6 @@ pub fn shown(overrides: &BTreeMap<String, Vec<Override>>) -> Vec<(String, Overri
         }
     }
     out
-}
-
-/// The depth a rule acting on a device would have: one deeper than the
-/// deepest override in force on that device.
-pub fn depth_on(overrides: &BTreeMap<String, Vec<Override>>) -> u32 {
-    overrides
-        .values()
-        .flatten()
-        .map(|o| o.depth)
-        .max()
-        .unwrap_or(0)
-        + 1
 }
 
 #[cfg(test)]
@@ -356,11 +344,11 @@ mod tests {
 
     #[test]
     fn each_rule_is_shown_once_per_property_with_the_one_in_force() {
-        let mut a1 = set("a", 5, false, 1);
+        let mut a1 = set("a", 5, false);
         a1.since_ms = 20;
-        let mut a2 = set("a", 5, false, 1);
+        let mut a2 = set("a", 5, false);
         a2.since_ms = 10;
-        let overrides = BTreeMap::from([("open".to_owned(), vec![a1, set("b", 9, true, 1), a2])]);
+        let overrides = BTreeMap::from([("open".to_owned(), vec![a1, set("b", 9, true), a2])]);
         let shown = shown(&overrides);
         let summary: Vec<(&str, i64, bool)> = shown
             .iter()
@@ -369,13 +357,12 @@ mod tests {
         assert_eq!(summary, [("a", 10, false), ("b", 0, true)]);
     }
 
-    fn set(rule: &str, priority: i32, value: bool, depth: u32) -> Override {
+    fn set(rule: &str, priority: i32, value: bool) -> Override {
         Override {
             rule: rule.into(),
             priority,
             value: PropertyValue::Bool(value),
             since_ms: 0,
-            depth,
             cause: String::new(),
         }
     }
@@ -388,10 +375,7 @@ mod tests {
         ]);
         let overrides = BTreeMap::from([(
             "open".to_owned(),
-            vec![
-                set("b-flood", 10, true, 1),
-                set("a-overheat", 100, false, 1),
-            ],
+            vec![set("b-flood", 10, true), set("a-overheat", 100, false)],
         )]);
         let (desired, conflicts) = effective(&spec, &overrides);
         assert_eq!(desired["open"], PropertyValue::Bool(false));
@@ -406,7 +390,7 @@ mod tests {
         );
         let tie = BTreeMap::from([(
             "open".to_owned(),
-            vec![set("z-rule", 5, true, 1), set("m-rule", 5, false, 3)],
+            vec![set("z-rule", 5, true), set("m-rule", 5, false)],
         )]);
         let (desired, conflicts) = effective(&spec, &tie);
         assert_eq!(
@@ -415,8 +399,6 @@ mod tests {
             "m-rule sorts first"
         );
         assert_eq!(conflicts[0].loser, "z-rule");
-        assert_eq!(depth_on(&tie), 4);
-        assert_eq!(depth_on(&BTreeMap::new()), 1);
         // No overrides: the spec as it is.
         assert_eq!(
             effective(&spec, &BTreeMap::new()),

@@ -329,6 +329,13 @@ async fn the_examples_are_devices_the_simulator_understands() {
             "{}: watches none of the example Devices",
             rule.origin
         );
+        if let Some(target) = &spec.then.target {
+            assert!(
+                picks_an_example(target),
+                "{}: its target is none of the example Devices",
+                rule.origin
+            );
+        }
     }
 
     // The rollout examples: accepted with strict validation, a health

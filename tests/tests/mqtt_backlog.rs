@@ -97,18 +97,12 @@ async fn five_thousand_devices_backlog_is_stored_while_the_agent_republishes_des
         .map(|i| {
             (
                 key(i),
-                DesiredDevice {
-                    version: ResourceVersion::new(format!("uid-{i}"), 1),
-                    model: "meter".into(),
-                    transport: Transport::Mqtt,
-                    properties: BTreeMap::new(),
-                    firmware: None,
-                    health_check: None,
-                    site_rollback: None,
-                    rolled_back_at_edge: None,
-                    overrides: BTreeMap::new(),
-                    local: 0,
-                },
+                DesiredDevice::new(
+                    ResourceVersion::new(format!("uid-{i}"), 1),
+                    "meter",
+                    Transport::Mqtt,
+                    BTreeMap::new(),
+                ),
             )
         })
         .collect();

@@ -510,18 +510,12 @@ async fn no_acknowledged_report_or_event_is_lost_when_the_power_is_cut() {
         let store = Store::open(&store_dir).unwrap().store;
         let devices: Vec<(ResourceKey, DesiredDevice)> = (0..DEVICES)
             .map(|i| {
-                let device = DesiredDevice {
-                    version: ResourceVersion::new(format!("uid-{i}"), 1),
-                    model: "meter".into(),
-                    transport: Transport::Coap,
-                    properties: BTreeMap::new(),
-                    firmware: None,
-                    health_check: None,
-                    site_rollback: None,
-                    rolled_back_at_edge: None,
-                    overrides: BTreeMap::new(),
-                    local: 0,
-                };
+                let device = DesiredDevice::new(
+                    ResourceVersion::new(format!("uid-{i}"), 1),
+                    "meter",
+                    Transport::Coap,
+                    BTreeMap::new(),
+                );
                 (key(i), device)
             })
             .collect();

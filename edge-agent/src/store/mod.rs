@@ -107,10 +107,15 @@ pub struct DesiredDevice {
     /// device message's `local`): it grows whenever that changes.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub local: u64,
+    /// How deep in a chain of rules the last rule change to what the
+    /// device is told was (0: none in this generation); a rule acting on
+    /// the device's reports is one deeper.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub chain: u32,
 }
 
-fn is_zero(n: &u64) -> bool {
-    *n == 0
+fn is_zero<N: Default + PartialEq>(n: &N) -> bool {
+    *n == N::default()
 }
 
 /// A device the agent rolled back on its own: what it did, and what the
@@ -124,6 +129,29 @@ pub struct RolledBackAtEdge {
 }
 
 impl DesiredDevice {
+    /// A device of `model` told `properties`, with nothing else: no
+    /// firmware, no rollout, no rule's override.
+    pub fn new(
+        version: ResourceVersion,
+        model: impl Into<String>,
+        transport: Transport,
+        properties: BTreeMap<String, PropertyValue>,
+    ) -> Self {
+        DesiredDevice {
+            version,
+            model: model.into(),
+            transport,
+            properties,
+            firmware: None,
+            health_check: None,
+            site_rollback: None,
+            rolled_back_at_edge: None,
+            overrides: BTreeMap::new(),
+            local: 0,
+            chain: 0,
+        }
+    }
+
     /// What the device itself is told: the device wire format's message
     /// (what was put back, if the agent rolled the device back).
     pub fn to_wire(&self) -> DesiredState {
@@ -1197,6 +1225,11 @@ impl Store {
                         if held.version.uid == device.version.uid {
                             device.overrides = held.overrides;
                             device.local = held.local;
+                        }
+                        // A new generation is a person's change: chains
+                        // of rules start again from it.
+                        if held.version == device.version {
+                            device.chain = held.chain;
                         }
                     }
                     desired.insert(key.as_bytes(), encode(&device))?;

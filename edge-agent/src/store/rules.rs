@@ -58,8 +58,6 @@ pub enum OverrideChange {
         set: BTreeMap<String, PropertyValue>,
         /// The rule's priority.
         priority: i32,
-        /// The decision's depth in a chain of rules.
-        depth: u32,
     },
     /// Ends what it set for this device.
     End,
@@ -80,6 +78,10 @@ pub struct Decision {
     pub event: Option<RuleEventOut>,
     /// When (Unix ms).
     pub at_ms: i64,
+    /// How deep in a chain of rules it is (see
+    /// [`edgefleet_shared::rule_engine::MAX_CHAIN_DEPTH`]): each device
+    /// whose desired state it changes takes this as its `chain`.
+    pub depth: u32,
 }
 
 fn watch_key(rule: &ResourceKey, device: &str) -> Vec<u8> {
@@ -95,20 +97,22 @@ fn rule_prefix(rule: &ResourceKey) -> Vec<u8> {
 }
 
 /// Takes `rule`'s overrides caused by `cause` off `device`, then puts
-/// `set` on it if given; bumps the override revision if what the device is
-/// told changed. Returns whether it did.
+/// `set` on it if given; bumps the override revision, and marks the
+/// device with the decision's chain depth, if what the device is told
+/// changed. Returns whether it did.
 fn reset_overrides(
     device: &mut DesiredDevice,
     rule: &str,
     cause: &str,
-    set: Option<(&BTreeMap<String, PropertyValue>, i32, u32, i64)>,
+    set: Option<(&BTreeMap<String, PropertyValue>, i32, i64)>,
+    depth: u32,
 ) -> bool {
     let before = device.to_wire();
     for overrides in device.overrides.values_mut() {
         overrides.retain(|o| !(o.rule == rule && o.cause == cause));
     }
     device.overrides.retain(|_, o| !o.is_empty());
-    if let Some((set, priority, depth, at_ms)) = set {
+    if let Some((set, priority, at_ms)) = set {
         for (property, value) in set {
             device
                 .overrides
@@ -119,7 +123,6 @@ fn reset_overrides(
                     priority,
                     value: value.clone(),
                     since_ms: at_ms,
-                    depth,
                     cause: cause.to_owned(),
                 });
         }
@@ -127,6 +130,7 @@ fn reset_overrides(
     let changed = device.to_wire().properties != before.properties;
     if changed {
         device.local += 1;
+        device.chain = depth;
     }
     changed
 }
@@ -246,7 +250,7 @@ impl Store {
             let mut changed = Vec::new();
             let mut touched = Vec::new();
             let mut touch = |name: &str,
-                             set: Option<(&BTreeMap<String, PropertyValue>, i32, u32, i64)>|
+                             set: Option<(&BTreeMap<String, PropertyValue>, i32, i64)>|
              -> sled::transaction::ConflictableTransactionResult<
                 (),
                 StoreError,
@@ -259,7 +263,7 @@ impl Store {
                 let mut device: DesiredDevice =
                     decode(k.as_bytes(), &held).map_err(ConflictableTransactionError::Abort)?;
                 let before = device.overrides.clone();
-                if reset_overrides(&mut device, rule_name, cause, set) {
+                if reset_overrides(&mut device, rule_name, cause, set, decision.depth) {
                     changed.push(target.clone());
                 }
                 if device.overrides != before {
@@ -280,13 +284,12 @@ impl Store {
                     targets,
                     set,
                     priority,
-                    depth,
                 } => {
                     for name in before.targets.iter().filter(|n| !targets.contains(n)) {
                         touch(name, None)?;
                     }
                     for name in targets {
-                        touch(name, Some((set, *priority, *depth, decision.at_ms)))?;
+                        touch(name, Some((set, *priority, decision.at_ms)))?;
                     }
                     after.targets = targets.clone();
                 }
@@ -399,7 +402,8 @@ fn forget_on(
     };
     let mut device: DesiredDevice =
         decode(k.as_bytes(), &held).map_err(ConflictableTransactionError::Abort)?;
-    let changed = reset_overrides(&mut device, rule, cause, None);
+    // A rule leaving is the cloud's doing: what follows starts a chain.
+    let changed = reset_overrides(&mut device, rule, cause, None, 0);
     desired.insert(k.as_bytes(), encode(&device))?;
     Ok(changed)
 }

@@ -272,6 +272,7 @@ fn desired_device(
         rolled_back_at_edge: None,
         overrides: BTreeMap::new(),
         local: 0,
+        chain: 0,
     };
     // What the device cannot be sent is refused now, so the Device shows
     // it, not kept to fail at every delivery.

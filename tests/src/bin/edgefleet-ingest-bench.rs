@@ -241,18 +241,12 @@ async fn seed_store(
         .map(|i| {
             (
                 key(i),
-                DesiredDevice {
-                    version: ResourceVersion::new(format!("uid-{i}"), 1),
-                    model: "meter".into(),
+                DesiredDevice::new(
+                    ResourceVersion::new(format!("uid-{i}"), 1),
+                    "meter",
                     transport,
-                    properties: BTreeMap::new(),
-                    firmware: None,
-                    health_check: None,
-                    site_rollback: None,
-                    rolled_back_at_edge: None,
-                    overrides: BTreeMap::new(),
-                    local: 0,
-                },
+                    BTreeMap::new(),
+                ),
             )
         })
         .collect();

@@ -109,18 +109,12 @@ async fn evaluations(cli: &Cli, report: &mut Report) -> anyhow::Result<()> {
     let mut upserts: Vec<(ResourceKey, Desired)> = names
         .iter()
         .map(|name| {
-            let device = DesiredDevice {
-                version: ResourceVersion::new(format!("uid-{name}"), 1),
-                model: "thermostat".into(),
-                transport: Transport::Coap,
-                properties: Default::default(),
-                firmware: None,
-                health_check: None,
-                site_rollback: None,
-                rolled_back_at_edge: None,
-                overrides: Default::default(),
-                local: 0,
-            };
+            let device = DesiredDevice::new(
+                ResourceVersion::new(format!("uid-{name}"), 1),
+                "thermostat",
+                Transport::Coap,
+                Default::default(),
+            );
             (ResourceKey::device(NS, name), device.into())
         })
         .collect();

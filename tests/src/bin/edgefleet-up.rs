@@ -100,9 +100,9 @@ async fn main() -> anyhow::Result<()> {
         cli.nodes
     ));
     let mut stack = Stack::start(spec, &kubeconfig).await?;
-    let examples = apply_examples(&client, &examples_dir()).await?;
+    let (examples, rules) = apply_examples(&client, &examples_dir()).await?;
     say(&format!(
-        "applied {examples} example Devices from deploy/examples/ (no simulated device behind them: they stay Delivered)"
+        "applied {examples} example Devices and {rules} example EdgeRules from deploy/examples/ (no simulated device behind them: the Devices stay Delivered, the rules never act)"
     ));
     let applied = stack.apply_devices(&client).await?;
     say(&format!(
@@ -313,10 +313,12 @@ async fn start_rule(client: &Client, namespace: &str) -> anyhow::Result<()> {
 }
 
 /// Applies every Device of `dir`'s YAML files (server-side apply).
-async fn apply_examples(client: &Client, dir: &Path) -> anyhow::Result<usize> {
-    let mut applied = 0;
+/// Applies the Devices and EdgeRules of the examples in `dir`: how many of
+/// each.
+async fn apply_examples(client: &Client, dir: &Path) -> anyhow::Result<(usize, usize)> {
+    let (mut devices, mut rules) = (0, 0);
     let Ok(entries) = std::fs::read_dir(dir) else {
-        return Ok(0);
+        return Ok((0, 0));
     };
     let mut files: Vec<PathBuf> = entries.flatten().map(|e| e.path()).collect();
     files.sort();
@@ -329,28 +331,33 @@ async fn apply_examples(client: &Client, dir: &Path) -> anyhow::Result<usize> {
         for document in serde_yaml_ng::Deserializer::from_str(&text) {
             let value: serde_json::Value = serde::Deserialize::deserialize(document)
                 .with_context(|| format!("read {}", file.display()))?;
-            if value.get("kind").and_then(|k| k.as_str()) != Some("Device") {
+            let kind = value
+                .get("kind")
+                .and_then(|k| k.as_str())
+                .unwrap_or_default();
+            let namespace = value["metadata"]["namespace"]
+                .as_str()
+                .unwrap_or("default")
+                .to_owned();
+            let name = value["metadata"]["name"].as_str().unwrap_or_default();
+            let what = format!("apply {kind} {namespace}/{name} from {}", file.display());
+            if kind != "Device" && kind != "EdgeRule" {
                 continue;
             }
-            let device: Device = serde_json::from_value(value)
-                .with_context(|| format!("a Device in {}", file.display()))?;
-            let namespace = device
-                .metadata
-                .namespace
-                .clone()
-                .unwrap_or_else(|| "default".into());
             ensure_namespace(client, &namespace).await?;
-            let name = device.metadata.name.clone().unwrap_or_default();
-            Api::<Device>::namespaced(client.clone(), &namespace)
-                .patch(&name, &params, &Patch::Apply(&device))
-                .await
-                .with_context(|| {
-                    format!("apply Device {namespace}/{name} from {}", file.display())
-                })?;
-            applied += 1;
+            let apply = Patch::Apply(&value);
+            if kind == "Device" {
+                let api = Api::<Device>::namespaced(client.clone(), &namespace);
+                api.patch(name, &params, &apply).await.context(what)?;
+                devices += 1;
+            } else {
+                let api = Api::<EdgeRule>::namespaced(client.clone(), &namespace);
+                api.patch(name, &params, &apply).await.context(what)?;
+                rules += 1;
+            }
         }
     }
-    Ok(applied)
+    Ok((devices, rules))
 }
 
 /// The label naming an edge node's site.
