@@ -141,6 +141,13 @@ impl Site {
             .collect()
     }
 
+    /// The `RuleRefused` events in the outbox: (device, reason, message).
+    fn refusals(&self) -> Vec<(String, String, String)> {
+        let mut events = self.events();
+        events.retain(|(_, reason, _)| reason == "RuleRefused");
+        events
+    }
+
     fn decisions(&self, kind: &'static str) -> u64 {
         self.metrics
             .decisions
@@ -274,11 +281,7 @@ async fn a_rule_over_its_rate_is_refused_once_per_spell_with_an_event() {
         1,
         "refused once for the spell"
     );
-    let refused: Vec<_> = site
-        .events()
-        .into_iter()
-        .filter(|(_, reason, _)| reason == "RuleRefused")
-        .collect();
+    let refused = site.refusals();
     assert_eq!(refused.len(), 1);
     assert!(refused[0].2.contains("maxActionsPerMinute"), "{refused:?}");
 }
@@ -314,11 +317,7 @@ async fn a_chain_of_rules_stops_at_its_depth_bound() {
         .collect();
     assert_eq!(reached.len(), MAX_CHAIN_DEPTH as usize, "{reached:?}");
     assert_eq!(site.decisions("chain_too_deep"), 1);
-    let refused: Vec<_> = site
-        .events()
-        .into_iter()
-        .filter(|(_, reason, _)| reason == "RuleRefused")
-        .collect();
+    let refused = site.refusals();
     assert_eq!(refused.len(), 1);
     assert!(refused[0].2.contains("deep"), "{refused:?}");
 }
@@ -372,11 +371,7 @@ async fn two_rules_setting_and_restoring_each_others_device_stop_at_the_depth_bo
     assert_eq!(site.decisions("act"), 4);
     assert_eq!(site.decisions("restore"), 4);
     assert_eq!(site.decisions("chain_too_deep"), 1);
-    let refused: Vec<_> = site
-        .events()
-        .into_iter()
-        .filter(|(_, reason, _)| reason == "RuleRefused")
-        .collect();
+    let refused = site.refusals();
     assert_eq!(refused.len(), 1, "{refused:?}");
     assert!(
         refused[0].0 == "a"

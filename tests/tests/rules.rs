@@ -51,6 +51,60 @@ async fn rules_held(stack: &Stack, want: [f64; 2]) {
     .await;
 }
 
+/// The Kubernetes Events of `ns` with `reason`: (the object's name, note).
+async fn events_of(client: &Client, ns: &str, reason: &str) -> Vec<(String, String)> {
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), ns);
+    events
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|e| e.reason.as_deref() == Some(reason))
+        .map(|e| {
+            let on = e.regarding.and_then(|r| r.name).unwrap_or_default();
+            (on, e.note.unwrap_or_default())
+        })
+        .collect()
+}
+
+/// A controller and one agent (on edge-1) in a fresh namespace with
+/// `devices` of the simulator's Devices applied: its models in turn, a
+/// thermostat, a valve, a meter, a thermostat…
+async fn one_simulated_site(prefix: &str, devices: usize) -> SimulatedSite {
+    let cp = control_plane();
+    let client: Client = cp.client().await;
+    let ns = test_namespace(&client, prefix).await;
+    let dir = tempfile::tempdir().unwrap();
+    let spec = StackSpec {
+        nodes: vec![NODES[0].to_owned()],
+        namespace: ns.clone(),
+        devices,
+        status_writes_per_second: 100,
+        dir: dir.path().to_owned(),
+        namespaced_controller: true,
+        ..StackSpec::default()
+    };
+    let stack = Stack::start(spec, cp.kubeconfig()).await.unwrap();
+    stack.apply_devices(&client).await.unwrap();
+    let devices = Api::namespaced(client.clone(), &ns);
+    SimulatedSite {
+        client,
+        ns,
+        stack,
+        devices,
+        _dir: dir,
+    }
+}
+
+struct SimulatedSite {
+    client: Client,
+    ns: String,
+    stack: Stack,
+    devices: Api<Device>,
+    _dir: tempfile::TempDir,
+}
+
 async fn label(devices: &Api<Device>, name: &str, value: Option<&str>) {
     devices
         .patch(
@@ -404,23 +458,14 @@ async fn rules_held_one(stack: &Stack, want: f64) {
 /// override and reports it, and its Event reaches Kubernetes once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rule_acts_on_simulated_devices_across_a_kill_9_inside_its_for_window() {
-    let cp = control_plane();
-    let client: Client = cp.client().await;
-    let ns = test_namespace(&client, "rule-sim").await;
-    let dir = tempfile::tempdir().unwrap();
-    let spec = StackSpec {
-        nodes: vec![NODES[0].to_owned()],
-        namespace: ns.clone(),
-        // The simulator's models in turn: a thermostat, a valve, a meter.
-        devices: 3,
-        status_writes_per_second: 100,
-        dir: dir.path().to_owned(),
-        namespaced_controller: true,
-        ..StackSpec::default()
-    };
-    let mut stack = Stack::start(spec, cp.kubeconfig()).await.unwrap();
-    stack.apply_devices(&client).await.unwrap();
-    let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
+    // A thermostat, a valve, a meter.
+    let SimulatedSite {
+        client,
+        ns,
+        mut stack,
+        devices,
+        _dir,
+    } = one_simulated_site("rule-sim", 3).await;
     let model = |m: &str| json!({ "matchLabels": { "edgefleet.io/model": m } });
     create_with_spec::<EdgeRule>(
         &client,
@@ -520,19 +565,8 @@ async fn a_rule_acts_on_simulated_devices_across_a_kill_9_inside_its_for_window(
     );
     // The simulated devices raise events of their own; the rule's is Hot.
     let hot = || async {
-        let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), &ns);
-        events
-            .list(&Default::default())
-            .await
-            .unwrap()
-            .items
-            .into_iter()
-            .filter(|e| {
-                e.reason.as_deref() == Some("Hot")
-                    && e.regarding.as_ref().and_then(|r| r.name.as_deref())
-                        == Some(thermostat.as_str())
-            })
-            .count()
+        let hot = events_of(&client, &ns, "Hot").await;
+        hot.iter().filter(|(on, _)| *on == thermostat).count()
     };
     eventually("the decision's Event reached Kubernetes", || async {
         (hot().await == 1).then_some(())
@@ -549,23 +583,14 @@ async fn a_rule_acts_on_simulated_devices_across_a_kill_9_inside_its_for_window(
 /// Kubernetes Event; then both run on their spec again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rules_setting_each_others_thermostat_stop_at_the_chain_bound() {
-    let cp = control_plane();
-    let client: Client = cp.client().await;
-    let ns = test_namespace(&client, "rule-loop").await;
-    let dir = tempfile::tempdir().unwrap();
-    let spec = StackSpec {
-        nodes: vec![NODES[0].to_owned()],
-        namespace: ns.clone(),
-        // A thermostat, a valve, a meter and a second thermostat.
-        devices: 4,
-        status_writes_per_second: 100,
-        dir: dir.path().to_owned(),
-        namespaced_controller: true,
-        ..StackSpec::default()
-    };
-    let mut stack = Stack::start(spec, cp.kubeconfig()).await.unwrap();
-    stack.apply_devices(&client).await.unwrap();
-    let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
+    // A thermostat, a valve, a meter and a second thermostat.
+    let SimulatedSite {
+        client,
+        ns,
+        mut stack,
+        devices,
+        _dir,
+    } = one_simulated_site("rule-loop", 4).await;
     let thermostats: Vec<String> = devices
         .list(&Default::default())
         .await
@@ -622,21 +647,7 @@ async fn rules_setting_each_others_thermostat_stop_at_the_chain_bound() {
         || async { (decisions("chain_too_deep").await == 1.0).then_some(()) },
     )
     .await;
-    let refused = || async {
-        let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), &ns);
-        events
-            .list(&Default::default())
-            .await
-            .unwrap()
-            .items
-            .into_iter()
-            .filter(|e| e.reason.as_deref() == Some("RuleRefused"))
-            .map(|e| {
-                let on = e.regarding.and_then(|r| r.name).unwrap_or_default();
-                (on, e.note.unwrap_or_default())
-            })
-            .collect::<Vec<_>>()
-    };
+    let refused = || events_of(&client, &ns, "RuleRefused");
     let seen = eventually("the refusal reached Kubernetes", || async {
         let seen = refused().await;
         (!seen.is_empty()).then_some(seen)
