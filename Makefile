@@ -2,7 +2,9 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: test lint crds controlplane up bench bench-resync bench-ingest bench-rollout bench-rules
+CERTS_DIR ?= .certs
+
+.PHONY: test lint crds certs controlplane up bench bench-resync bench-ingest bench-rollout bench-rules
 
 ## Build (or reuse) the local control plane, then run every test.
 test: controlplane
@@ -16,6 +18,11 @@ lint:
 ## Regenerate deploy/crds/ from the Rust types.
 crds:
 	$(CARGO) run -q -p edgefleet-cloud -- crds > deploy/crds/edgefleet.yaml
+
+## A lab CA and the controller's sync certificate in $(CERTS_DIR), with the
+## kubectl commands that load them (production: cert-manager, deploy/README.md).
+certs:
+	$(CARGO) run -q --locked -p edgefleet-cloud -- lab-certs --dir $(CERTS_DIR)
 
 ## The kube-apiserver + etcd binary the tests run (cached after the first build).
 controlplane:

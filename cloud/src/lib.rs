@@ -10,7 +10,8 @@
 //! [`events`]. The [`rollout`] reconciler runs FleetRollouts over the
 //! Devices. The [`rules`] reconciler accepts or refuses EdgeRules.
 //! [`liveness`] marks nodes without an agent unreachable after
-//! a grace period. [`run`] wires them. [`crds`] renders the API definitions.
+//! a grace period. [`tls`] secures the sync link. [`run`] wires them.
+//! [`crds`] renders the API definitions.
 
 #![forbid(unsafe_code)]
 
@@ -21,6 +22,7 @@ pub mod device_events;
 pub mod edge_node;
 pub mod events;
 pub mod index;
+pub mod lab_ca;
 pub mod liveness;
 pub mod reconcile;
 pub mod rollout;
@@ -28,3 +30,4 @@ pub mod rules;
 pub mod run;
 pub mod status;
 pub mod sync;
+pub mod tls;

@@ -31,6 +31,24 @@ enum Command {
     /// Run the controller: watch Devices, serve agents, write status.
     /// Uses $KUBECONFIG, ~/.kube/config or the in-cluster service account.
     Run(RunArgs),
+    /// Write a lab CA and a sync certificate it issued (`ca.crt`,
+    /// `tls.crt`, `tls.key`) into a directory, and print the kubectl
+    /// commands that load them. For labs: production uses cert-manager.
+    LabCerts(LabCertsArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct LabCertsArgs {
+    /// Where the files go.
+    #[arg(long)]
+    dir: std::path::PathBuf,
+    /// The names the certificate carries (DNS names or IP addresses): the
+    /// ones agents dial.
+    #[arg(
+        long = "name",
+        default_values = ["edgefleet-cloud.edgefleet-system.svc", "localhost", "127.0.0.1"]
+    )]
+    names: Vec<String>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -65,18 +83,43 @@ struct RunArgs {
     /// (`--cloud-heartbeat-seconds`).
     #[arg(long, env = "EDGEFLEET_HEARTBEAT_SECONDS", default_value_t = 10.0)]
     heartbeat_seconds: f64,
+    /// The directory of the sync server's certificate, in the layout
+    /// cert-manager writes into a Secret (`tls.crt`, `tls.key`); read
+    /// again when the files change.
+    #[arg(long, env = "EDGEFLEET_TLS_DIR")]
+    tls_dir: Option<std::path::PathBuf>,
+    /// Serve the sync link without TLS: anyone on the network can read it
+    /// and forge it. For local demos only.
+    #[arg(long, env = "EDGEFLEET_INSECURE_PLAINTEXT", conflicts_with = "tls_dir")]
+    insecure_plaintext: bool,
 }
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Crds => print!("{}", edgefleet_cloud::crds::render()?),
         Command::Run(args) => tokio::runtime::Runtime::new()?.block_on(run(args))?,
+        Command::LabCerts(args) => {
+            edgefleet_cloud::lab_ca::LabCa::new(&args.dir, &args.names)?;
+            let dir = args.dir.display();
+            println!(
+                "# A lab CA and a sync certificate for {names} are in {dir}. Load them:\n\
+                 kubectl -n edgefleet-system create secret generic edgefleet-sync-tls \\\n  \
+                 --from-file={dir}/tls.crt --from-file={dir}/tls.key --from-file={dir}/ca.crt\n\
+                 kubectl -n edgefleet-system create configmap edgefleet-sync-ca --from-file={dir}/ca.crt",
+                names = args.names.join(", ")
+            );
+        }
     }
     Ok(())
 }
 
 async fn run(args: RunArgs) -> anyhow::Result<()> {
     telemetry::init_logging();
+    if args.tls_dir.is_none() && !args.insecure_plaintext {
+        anyhow::bail!(
+            "the sync link needs a certificate: --tls-dir DIR (tls.crt and tls.key, as cert-manager writes them; `make certs` makes a lab one), or --insecure-plaintext for a local demo"
+        );
+    }
     let client = kube::Client::try_default()
         .await
         .context("no Kubernetes API: set KUBECONFIG or run in a cluster")?;
@@ -121,6 +164,10 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         instance: args.instance,
         namespace: args.namespace,
         node_grace_period: std::time::Duration::from_secs(args.node_grace_seconds),
+        tls: args.tls_dir.map(|dir| edgefleet_cloud::tls::TlsSettings {
+            dir,
+            reload_every: std::time::Duration::from_secs(2),
+        }),
     };
     let controller = Controller::start(client, settings).await?;
     readiness.set(true);

@@ -55,6 +55,8 @@ pub struct Settings {
     /// Heartbeats on the sync streams: how often they go out, and (3 of
     /// them) how long an agent may be silent before its session ends.
     pub heartbeat: Heartbeat,
+    /// TLS on the sync link; `None` serves plaintext (local demos only).
+    pub tls: Option<crate::tls::TlsSettings>,
 }
 
 /// A running controller.
@@ -199,18 +201,38 @@ impl Controller {
             .with_nodelay(Some(true))
             .with_keepalive(Some(beat.tcp_keepalive()))
             .with_keepalive_interval(Some(beat.interval));
-        tasks.spawn(async move {
-            let served = tonic::transport::Server::builder()
-                .http2_keepalive_interval(Some(beat.keepalive_interval()))
-                .http2_keepalive_timeout(Some(beat.keepalive_timeout()))
-                .add_service(SyncServer::new(service))
-                .serve_with_incoming(incoming)
-                .await;
-            if let Err(error) = served {
-                tracing::error!(%error, "sync server stopped");
+        let server = tonic::transport::Server::builder()
+            .http2_keepalive_interval(Some(beat.keepalive_interval()))
+            .http2_keepalive_timeout(Some(beat.keepalive_timeout()))
+            .add_service(SyncServer::new(service));
+        let connections = sync_metrics.connections.clone();
+        match &settings.tls {
+            Some(tls) => {
+                let certificate = crate::tls::Certificate::load(&tls.dir)?;
+                let config = certificate.server_config()?;
+                tasks.spawn(
+                    Arc::clone(&certificate)
+                        .keep_reloading(tls.reload_every, sync_metrics.tls_reloads.clone()),
+                );
+                let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+                let incoming = crate::tls::accept(incoming, acceptor, connections);
+                tasks.spawn(async move {
+                    if let Err(error) = server.serve_with_incoming(incoming).await {
+                        tracing::error!(%error, "sync server stopped");
+                    }
+                });
+                tracing::info!(%sync_addr, cert = %tls.dir.display(), "sync server listening (TLS)");
             }
-        });
-        tracing::info!(%sync_addr, "sync server listening");
+            None => {
+                let incoming = incoming.inspect(move |_| connections.inc("plaintext"));
+                tasks.spawn(async move {
+                    if let Err(error) = server.serve_with_incoming(incoming).await {
+                        tracing::error!(%error, "sync server stopped");
+                    }
+                });
+                tracing::warn!(%sync_addr, "sync server listening in PLAINTEXT: anyone on the network can read and forge the sync link; for local demos only");
+            }
+        }
         Ok(Controller {
             sync_addr,
             status,

@@ -28,9 +28,26 @@ struct Cli {
     /// This node's Kubernetes name: the agent's identity towards the cloud.
     #[arg(long, env = "EDGEFLEET_NODE")]
     node: String,
-    /// The cloud controller's sync endpoint.
-    #[arg(long, env = "EDGEFLEET_CLOUD", default_value = "http://127.0.0.1:7443")]
+    /// The cloud controller's sync endpoint (`https://`; `http://` only
+    /// with --insecure-plaintext).
+    #[arg(
+        long,
+        env = "EDGEFLEET_CLOUD",
+        default_value = "https://127.0.0.1:7443"
+    )]
     cloud: String,
+    /// The CA bundle (PEM) the cloud's certificate must chain to, like the
+    /// `ca.crt` cert-manager writes; read again on every connect.
+    #[arg(long, env = "EDGEFLEET_CLOUD_CA_FILE")]
+    cloud_ca_file: Option<PathBuf>,
+    /// The name the cloud's certificate must carry, when it is not the
+    /// host of --cloud.
+    #[arg(long, env = "EDGEFLEET_CLOUD_SERVER_NAME")]
+    cloud_server_name: Option<String>,
+    /// Talk to the cloud without TLS (an `http://` --cloud): anyone on the
+    /// network can read and forge the sync link. For local demos only.
+    #[arg(long, env = "EDGEFLEET_INSECURE_PLAINTEXT")]
+    insecure_plaintext: bool,
     /// Where the agent keeps its store.
     #[arg(long, env = "EDGEFLEET_DATA_DIR", default_value = "/var/lib/edgefleet")]
     data_dir: PathBuf,
@@ -75,6 +92,8 @@ struct Cli {
 async fn main() -> anyhow::Result<()> {
     telemetry::init_logging();
     let cli = Cli::parse();
+    // Before anything starts: a plaintext link only when asked by name.
+    let tls = cloud_tls(&cli)?;
 
     // A store that is out of reach (held by another agent, permission
     // denied, disk full) stops the agent with a message saying what to do;
@@ -212,6 +231,7 @@ async fn main() -> anyhow::Result<()> {
     sync_bytes.register(&mut registry);
     let settings = SyncSettings {
         cloud: cli.cloud.clone(),
+        tls,
         node: cli.node.clone(),
         agent_version: env!("CARGO_PKG_VERSION").to_owned(),
         boot_id: boot_id(),
@@ -329,5 +349,34 @@ async fn shutdown_signal() -> std::io::Result<()> {
     tokio::select! {
         r = tokio::signal::ctrl_c() => r,
         _ = term.recv() => Ok(()),
+    }
+}
+
+/// How the cloud's certificate is checked, from the flags: TLS unless
+/// plaintext is asked for by name, and then the URL must say `http://`.
+fn cloud_tls(cli: &Cli) -> anyhow::Result<Option<edgefleet_agent::sync::CloudTls>> {
+    let plaintext_url = cli.cloud.starts_with("http://");
+    match (cli.insecure_plaintext, plaintext_url) {
+        (true, true) => {
+            tracing::warn!(cloud = %cli.cloud, "talking to the cloud in PLAINTEXT: anyone on the network can read and forge the sync link; for local demos only");
+            Ok(None)
+        }
+        (true, false) => anyhow::bail!(
+            "--insecure-plaintext needs an http:// --cloud (it is {})",
+            cli.cloud
+        ),
+        (false, true) => anyhow::bail!(
+            "--cloud {} is plaintext: use https:// with --cloud-ca-file, or pass --insecure-plaintext (local demos only)",
+            cli.cloud
+        ),
+        (false, false) => {
+            let ca_file = cli.cloud_ca_file.clone().context(
+                "--cloud-ca-file is needed to check the cloud's certificate (the ca.crt of its Secret)",
+            )?;
+            Ok(Some(edgefleet_agent::sync::CloudTls {
+                ca_file,
+                server_name: cli.cloud_server_name.clone(),
+            }))
+        }
     }
 }

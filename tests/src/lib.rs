@@ -15,6 +15,7 @@
 #![forbid(unsafe_code)]
 
 pub mod bench;
+pub mod certs;
 pub mod device_client;
 pub mod edge_events;
 pub mod fault;
@@ -155,6 +156,30 @@ pub fn numbered_report(value: i64) -> edgefleet_shared::codec::DeviceReport {
 }
 
 /// Creates a fresh namespace for one test and returns its name.
+/// The settings of a controller run in the test's process on `listener`,
+/// minding namespace `ns`: a status budget of 200 writes per second, 50
+/// device Events per second, a 2 s node grace period, and a plaintext sync
+/// link (TLS is `tls: Some(…)`).
+pub fn in_process_controller(
+    listener: tokio::net::TcpListener,
+    ns: &str,
+) -> edgefleet_cloud::run::Settings {
+    edgefleet_cloud::run::Settings {
+        sync_listener: listener,
+        status_writes_per_second: std::num::NonZeroU32::new(200).expect("nonzero"),
+        status_metrics: Default::default(),
+        sync_metrics: Default::default(),
+        event_metrics: Default::default(),
+        device_events_per_second: std::num::NonZeroU32::new(50).expect("nonzero"),
+        device_event_metrics: Default::default(),
+        instance: Some("test".into()),
+        namespace: Some(ns.to_owned()),
+        node_grace_period: Duration::from_secs(2),
+        heartbeat: Default::default(),
+        tls: None,
+    }
+}
+
 pub async fn test_namespace(client: &Client, hint: &str) -> String {
     static NEXT: AtomicU32 = AtomicU32::new(0);
     let sanitized: String = hint

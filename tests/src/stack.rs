@@ -14,6 +14,7 @@ use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 
+use crate::certs::{self, LabCa};
 use crate::fault::FaultProxy;
 use crate::process::{Process, binary, free_tcp_addr, free_udp_addr, http_get};
 
@@ -74,6 +75,8 @@ pub struct Stack {
     pub cloud_metrics: SocketAddr,
     /// The agents.
     pub agents: Vec<Agent>,
+    /// The sync link's lab CA and the controller's certificate.
+    pub tls: LabCa,
     cloud_args: Vec<String>,
     kubeconfig: PathBuf,
     cloud: Process,
@@ -99,6 +102,7 @@ impl Stack {
             binary(name);
         }
         let (sync, cloud_metrics) = (free_tcp_addr(), free_tcp_addr());
+        let tls = certs::lab(&spec.dir.join("tls"))?;
         let mut cloud_args = vec![
             "run".into(),
             format!("--sync-addr={sync}"),
@@ -108,6 +112,7 @@ impl Stack {
                 spec.status_writes_per_second
             ),
         ];
+        cloud_args.extend(certs::cloud_args(&tls));
         if spec.namespaced_controller {
             cloud_args.push(format!("--namespace={}", spec.namespace));
         }
@@ -124,13 +129,13 @@ impl Stack {
                 false => None,
             };
             let cloud = proxy.as_ref().map_or(sync, FaultProxy::addr);
-            let mut args = vec![
-                format!("--node={node}"),
-                format!("--cloud=http://{cloud}"),
+            let mut args = vec![format!("--node={node}")];
+            args.extend(certs::agent_args(&tls, cloud));
+            args.extend([
                 format!("--data-dir={}", spec.dir.join(node).display()),
                 format!("--coap-bind={coap}"),
                 format!("--metrics-addr={metrics}"),
-            ];
+            ]);
             args.push(match broker {
                 Some(broker) => format!("--mqtt-url=mqtt://{broker}"),
                 None => format!("--mqtt-listen={mqtt}"),
@@ -159,6 +164,7 @@ impl Stack {
             spec,
             cloud_metrics,
             agents,
+            tls,
             cloud_args,
             kubeconfig: kubeconfig.to_owned(),
             cloud,

@@ -828,9 +828,9 @@ fn the_pieces_fit_together() {
         service_ports.insert(port.name.clone().unwrap_or_default(), port.port);
     }
 
-    // The agent dials that Service.
+    // The agent dials that Service, over TLS.
     let expected_cloud = format!(
-        "http://{}.{}.svc:{}",
+        "https://{}.{}.svc:{}",
         service.metadata.name.as_deref().unwrap(),
         service.metadata.namespace.as_deref().unwrap(),
         service_ports["sync"]
@@ -838,6 +838,40 @@ fn the_pieces_fit_together() {
     assert_eq!(
         env_value(agent_container, "EDGEFLEET_CLOUD"),
         expected_cloud
+    );
+
+    // The controller serves the certificate of the Secret edgefleet-sync-tls
+    // and the agent checks it against the CA of the ConfigMap
+    // edgefleet-sync-ca, each mounted where its variable points.
+    let mounted_from = |template: &PodTemplateSpec, c: &Container, path: &str| {
+        let mount = c
+            .volume_mounts
+            .iter()
+            .flatten()
+            .find(|m| path.starts_with(&m.mount_path))
+            .unwrap_or_else(|| panic!("{}: nothing is mounted at {path}", c.name));
+        let volume = template
+            .spec
+            .as_ref()
+            .unwrap()
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| v.name == mount.name)
+            .unwrap_or_else(|| panic!("no volume {}", mount.name));
+        let secret = volume.secret.as_ref().and_then(|s| s.secret_name.clone());
+        let config_map = volume.config_map.as_ref().map(|c| c.name.clone());
+        (secret, config_map)
+    };
+    let tls_dir = env_value(cloud_container, "EDGEFLEET_TLS_DIR");
+    assert_eq!(
+        mounted_from(&cloud_template, cloud_container, tls_dir),
+        (Some("edgefleet-sync-tls".to_owned()), None)
+    );
+    let ca_file = env_value(agent_container, "EDGEFLEET_CLOUD_CA_FILE");
+    assert_eq!(
+        mounted_from(&agent_template, agent_container, ca_file),
+        (None, Some("edgefleet-sync-ca".to_owned()))
     );
 
     // The agent's node name comes from the downward API.

@@ -11,6 +11,7 @@ use edgefleet_cloud::device_events::EVENT_BOOT_ANNOTATION;
 use edgefleet_shared::api::{Device, DevicePhase, DeviceSpec, Transport};
 use edgefleet_shared::codec::{self, DesiredState, DeviceReport};
 use edgefleet_shared::{PropertyValue, ResourceKey, topics};
+use edgefleet_tests::certs;
 use edgefleet_tests::device_client::{CoapDevice, code, next_on};
 use edgefleet_tests::mosquitto::Mosquitto;
 use edgefleet_tests::process::{Process, binary, free_tcp_addr, free_udp_addr, http_get, metric};
@@ -56,14 +57,17 @@ impl Site {
         let data = tempfile::tempdir().unwrap();
 
         let (sync, cloud_metrics) = (free_tcp_addr(), free_tcp_addr());
+        let tls = certs::lab(&data.path().join("tls")).unwrap();
+        let mut cloud_args = vec![
+            "run".into(),
+            format!("--sync-addr={sync}"),
+            format!("--metrics-addr={cloud_metrics}"),
+            format!("--namespace={ns}"),
+        ];
+        cloud_args.extend(certs::cloud_args(&tls));
         let cloud = Process::start(
             "edgefleet-cloud",
-            &[
-                "run".into(),
-                format!("--sync-addr={sync}"),
-                format!("--metrics-addr={cloud_metrics}"),
-                format!("--namespace={ns}"),
-            ],
+            &cloud_args,
             &[("KUBECONFIG", cp.kubeconfig().display().to_string())],
         );
         eventually("the controller is ready", || async {
@@ -76,18 +80,15 @@ impl Site {
             Broker::Embedded(listen) => format!("--mqtt-listen={listen}"),
             Broker::External(addr) => format!("--mqtt-url=mqtt://{addr}"),
         };
-        let agent = Process::start(
-            "edgefleet-agent",
-            &[
-                format!("--node={node}"),
-                format!("--cloud=http://{sync}"),
-                format!("--data-dir={}", data.path().display()),
-                format!("--coap-bind={coap}"),
-                format!("--metrics-addr={agent_metrics}"),
-                mqtt,
-            ],
-            &[],
-        );
+        let mut agent_args = vec![format!("--node={node}")];
+        agent_args.extend(certs::agent_args(&tls, sync));
+        agent_args.extend([
+            format!("--data-dir={}", data.path().display()),
+            format!("--coap-bind={coap}"),
+            format!("--metrics-addr={agent_metrics}"),
+            mqtt,
+        ]);
+        let agent = Process::start("edgefleet-agent", &agent_args, &[]);
         eventually("the agent is up", || async {
             matches!(http_get(agent_metrics, "/healthz").await, Ok((200, _))).then_some(())
         })

@@ -433,7 +433,9 @@ fn start_agent(data_dir: &Path, coap: SocketAddr, log: &Path) -> (Process, Socke
     let metrics = free_tcp_addr();
     let args = vec![
         "--node=edge-powercut".to_owned(),
+        // Offline throughout: nobody listens there.
         format!("--cloud=http://{}", free_tcp_addr()),
+        "--insecure-plaintext".to_owned(),
         format!("--data-dir={}", data_dir.display()),
         format!("--coap-bind={coap}"),
         format!("--metrics-addr={metrics}"),

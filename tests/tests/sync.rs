@@ -13,7 +13,10 @@ use edgefleet_cloud::run::{Controller, Settings};
 use edgefleet_shared::api::{Device, DevicePhase, DeviceSpec, EdgeNode, Transport};
 use edgefleet_shared::codec::{DeviceEvent, DeviceReport};
 use edgefleet_shared::{PropertyValue, ResourceKey, proto};
-use edgefleet_tests::{control_plane, edge_events, eventually, eventually_within, test_namespace};
+use edgefleet_tests::{
+    control_plane, edge_events, eventually, eventually_within, in_process_controller,
+    test_namespace,
+};
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use serde_json::json;
@@ -35,20 +38,13 @@ async fn start_controller_with(
     device_events_per_second: u32,
 ) -> Controller {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    // The sync protocol itself, in plaintext; TLS is tests/tests/sync_tls.rs.
     Controller::start(
         client.clone(),
         Settings {
-            sync_listener: listener,
-            status_writes_per_second: NonZeroU32::new(200).unwrap(),
-            status_metrics: Default::default(),
-            sync_metrics: Default::default(),
-            event_metrics: Default::default(),
             device_events_per_second: NonZeroU32::new(device_events_per_second).unwrap(),
-            device_event_metrics: Default::default(),
-            instance: Some("test".into()),
-            namespace: Some(ns.to_owned()),
             node_grace_period: NODE_GRACE,
-            heartbeat: Default::default(),
+            ..in_process_controller(listener, ns)
         },
     )
     .await
@@ -88,6 +84,7 @@ impl Setup {
 fn start_agent(controller: &Controller, node: &str, store: &Store) -> tokio::task::JoinHandle<()> {
     let settings = SyncSettings {
         cloud: format!("http://{}", controller.sync_addr),
+        tls: None,
         node: node.to_owned(),
         agent_version: "test".into(),
         boot_id: format!("boot-{node}"),

@@ -68,6 +68,11 @@ pub struct SyncMetrics {
     /// Sessions ended because the agent was silent for 3 heartbeat
     /// intervals (or sent no Hello within them).
     pub silent_agents: Counter,
+    /// Connections by outcome: `tls` (handshake done), `plaintext`,
+    /// `handshake_failed`, `handshake_timeout`, `too_many_handshakes`.
+    pub connections: Outcomes,
+    /// Certificate files that changed, by outcome (`loaded`, `failed`).
+    pub tls_reloads: Outcomes,
 }
 
 impl SyncMetrics {
@@ -97,6 +102,16 @@ impl SyncMetrics {
             "silent_agents",
             "Agent sessions ended because the agent was silent for 3 heartbeat intervals",
             self.silent_agents.clone(),
+        );
+        self.connections.register(
+            registry,
+            "connections",
+            "Sync connections by outcome (tls, plaintext, handshake_failed, handshake_timeout, too_many_handshakes)",
+        );
+        self.tls_reloads.register(
+            registry,
+            "tls_reloads",
+            "Changes of the certificate files by outcome (loaded, failed)",
         );
     }
 }

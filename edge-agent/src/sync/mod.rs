@@ -43,8 +43,11 @@ pub const HEARTBEAT_INTERVAL: Duration = Heartbeat::DEFAULT.interval;
 /// Who this agent is and where the cloud is.
 #[derive(Clone, Debug)]
 pub struct SyncSettings {
-    /// The cloud's sync endpoint, like `http://127.0.0.1:7443`.
+    /// The cloud's sync endpoint, like `https://cloud.example:7443`
+    /// (`http://` only for plaintext).
     pub cloud: String,
+    /// How the cloud's certificate is checked (`None`: plaintext).
+    pub tls: Option<CloudTls>,
     /// This node's Kubernetes name.
     pub node: String,
     /// This agent's version.
@@ -61,6 +64,29 @@ pub struct SyncSettings {
     /// Told whenever the sync loop turns (between attempts, at every
     /// heartbeat), so a loop that hangs shows on `/healthz`.
     pub liveness: Check,
+}
+
+/// How the agent checks the cloud's certificate.
+#[derive(Clone, Debug)]
+pub struct CloudTls {
+    /// The CA bundle (PEM) the certificate must chain to; read again on
+    /// every connect, so a rotated bundle is taken without a restart.
+    pub ca_file: std::path::PathBuf,
+    /// The name the certificate must carry, when it is not the URL's host.
+    pub server_name: Option<String>,
+}
+
+impl CloudTls {
+    /// The tonic TLS configuration, with the CA bundle as it is now.
+    fn config(&self) -> std::io::Result<tonic::transport::ClientTlsConfig> {
+        let ca = std::fs::read(&self.ca_file)?;
+        let config = tonic::transport::ClientTlsConfig::new()
+            .ca_certificate(tonic::transport::Certificate::from_pem(ca));
+        Ok(match &self.server_name {
+            Some(name) => config.domain_name(name.clone()),
+            None => config,
+        })
+    }
 }
 
 /// Protobuf bytes on the sync stream by direction and message kind
@@ -133,13 +159,21 @@ impl MessageBytes {
 /// Why a session ended.
 #[derive(Debug, thiserror::Error)]
 pub enum SyncError {
-    /// Could not connect.
-    #[error("connect to {endpoint}: {source}")]
+    /// Could not connect (a refused TLS certificate says why here).
+    #[error("connect to {endpoint}: {}", causes(source))]
     Connect {
         /// Where.
         endpoint: String,
         /// Why.
         source: tonic::transport::Error,
+    },
+    /// The CA bundle to check the cloud's certificate cannot be read.
+    #[error("read the cloud's CA bundle {path}: {source}")]
+    CaBundle {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why.
+        source: std::io::Error,
     },
     /// The cloud refused or broke the stream.
     #[error("sync stream: {0}")]
@@ -153,6 +187,19 @@ pub enum SyncError {
     /// Nothing heard from the cloud for 3 heartbeat intervals.
     #[error("heard nothing from the cloud for {0:?}")]
     Silent(Duration),
+}
+
+/// `error` and its causes, `: `-separated (tonic's own message is only
+/// "transport error"; the TLS verdict is a cause).
+fn causes(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut next = error.source();
+    while let Some(cause) = next {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        next = cause.source();
+    }
+    text
 }
 
 /// Runs sync sessions until the process ends, reconnecting after each.
@@ -220,6 +267,21 @@ fn endpoint(settings: &SyncSettings) -> Result<tonic::transport::Endpoint, SyncE
                 source,
             }
         })?;
+    let endpoint = match &settings.tls {
+        Some(tls) => {
+            let config = tls.config().map_err(|source| SyncError::CaBundle {
+                path: tls.ca_file.clone(),
+                source,
+            })?;
+            endpoint
+                .tls_config(config)
+                .map_err(|source| SyncError::Connect {
+                    endpoint: settings.cloud.clone(),
+                    source,
+                })?
+        }
+        None => endpoint,
+    };
     Ok(endpoint
         .connect_timeout(beat.silence_limit())
         .http2_keep_alive_interval(beat.keepalive_interval())
