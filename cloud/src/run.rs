@@ -204,7 +204,11 @@ impl Controller {
         let server = tonic::transport::Server::builder()
             .http2_keepalive_interval(Some(beat.keepalive_interval()))
             .http2_keepalive_timeout(Some(beat.keepalive_timeout()))
-            .add_service(SyncServer::new(service));
+            .add_service(
+                SyncServer::new(service)
+                    .max_decoding_message_size(edgefleet_shared::proto::MAX_MESSAGE_BYTES)
+                    .max_encoding_message_size(edgefleet_shared::proto::MAX_MESSAGE_BYTES),
+            );
         let connections = sync_metrics.connections.clone();
         match &settings.tls {
             Some(tls) => {

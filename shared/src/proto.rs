@@ -15,6 +15,11 @@ pub use generated::*;
 /// bounded however large its outbox.
 pub const UPLINK_WINDOW: usize = 2048;
 
+/// The largest sync message either end sends or accepts (bytes of
+/// protobuf). A bigger one is refused from its length prefix, before its
+/// body is buffered: the stream ends with `OUT_OF_RANGE`.
+pub const MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
+
 /// Most entries of one flow an agent has in flight: half the window each,
 /// so reports always have room while events wait, and together they stay
 /// within [`UPLINK_WINDOW`].

@@ -1293,3 +1293,34 @@ async fn an_absent_agent_makes_its_node_and_devices_unreachable_until_it_returns
     })
     .await;
 }
+
+#[tokio::test]
+async fn a_message_over_the_size_limit_is_refused_and_counted_and_others_are_served() {
+    let setup = Setup::new("oversized").await;
+    let mut client =
+        proto::sync_client::SyncClient::connect(format!("http://{}", setup.controller.sync_addr))
+            .await
+            .unwrap();
+    // A Hello of 4 MiB and more: refused from its length prefix.
+    let hello = proto::Hello {
+        node: "x".repeat(proto::MAX_MESSAGE_BYTES + 1),
+        ..Default::default()
+    };
+    let message = agent_message(proto::agent_message::Kind::Hello(hello));
+    let answer = match client.stream(tokio_stream::iter([message])).await {
+        Err(status) => Err(status),
+        Ok(response) => response.into_inner().message().await,
+    };
+    assert!(answer.is_err(), "an oversized Hello was taken: {answer:?}");
+    eventually("the oversized message is counted", || async {
+        let n = setup.controller.sync_metrics.refused.get("oversized");
+        (n == 1).then_some(())
+    })
+    .await;
+    // The controller goes on serving agents.
+    let _agent = start_agent(&setup.controller, &setup.node, &setup.store);
+    eventually("a real agent has a session", || async {
+        (setup.controller.sync_metrics.streams.get() == 1).then_some(())
+    })
+    .await;
+}

@@ -203,6 +203,15 @@ impl std::fmt::Debug for SyncService {
 
 type Outbound = mpsc::Sender<Result<proto::CloudMessage, Status>>;
 
+/// Counts a message refused for its size (over
+/// [`proto::MAX_MESSAGE_BYTES`]) as `refused{outcome="oversized"}`.
+fn count_oversized(metrics: &SyncMetrics, status: &Status) {
+    if status.code() == tonic::Code::OutOfRange {
+        metrics.refused.inc("oversized");
+        tracing::info!(%status, "an agent's message was refused for its size");
+    }
+}
+
 #[tonic::async_trait]
 impl proto::sync_server::Sync for SyncService {
     type StreamStream = ReceiverStream<Result<proto::CloudMessage, Status>>;
@@ -221,7 +230,7 @@ impl proto::sync_server::Sync for SyncService {
             );
             return Err(Status::deadline_exceeded("no Hello in time"));
         };
-        let hello = match first? {
+        let hello = match first.inspect_err(|s| count_oversized(&self.metrics, s))? {
             Some(proto::AgentMessage {
                 kind: Some(agent_message::Kind::Hello(hello)),
             }) => hello,
@@ -358,7 +367,10 @@ impl Driver {
                         self.carry_out(effects, &tx, &done_tx, &figures).await?;
                     }
                     message = inbound.message() => {
-                        let message = message.map_err(Ended::Stream)?.ok_or(Ended::AgentGone)?;
+                        let message = message
+                            .inspect_err(|s| count_oversized(&metrics, s))
+                            .map_err(Ended::Stream)?
+                            .ok_or(Ended::AgentGone)?;
                         watch.heard();
                         // An uplink entry about a Device that just arrived
                         // in the slice is judged against the latest slice.

@@ -303,7 +303,9 @@ async fn talk(
             endpoint: settings.cloud.clone(),
             source,
         })?;
-    let mut client = proto::sync_client::SyncClient::new(channel);
+    let mut client = proto::sync_client::SyncClient::new(channel)
+        .max_decoding_message_size(proto::MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(proto::MAX_MESSAGE_BYTES);
     let (tx, rx) = mpsc::channel(16);
     // What the store holds goes as a digest; the cloud asks for the list
     // if the digest is not what it remembers.
