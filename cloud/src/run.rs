@@ -12,7 +12,7 @@ use edgefleet_shared::api::rule::EdgeRule;
 use edgefleet_shared::api::{Device, EdgeNode};
 use edgefleet_shared::heartbeat::Heartbeat;
 use edgefleet_shared::proto::sync_server::SyncServer;
-use futures::StreamExt;
+use futures::{Stream, StreamExt};
 use kube::runtime::reflector;
 use kube::runtime::utils::ResetTimerBackoff;
 use kube::runtime::{WatchStreamExt, watcher};
@@ -220,20 +220,12 @@ impl Controller {
                 );
                 let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
                 let incoming = crate::tls::accept(incoming, acceptor, connections);
-                tasks.spawn(async move {
-                    if let Err(error) = server.serve_with_incoming(incoming).await {
-                        tracing::error!(%error, "sync server stopped");
-                    }
-                });
+                tasks.spawn(serve(server, incoming));
                 tracing::info!(%sync_addr, cert = %tls.dir.display(), "sync server listening (TLS)");
             }
             None => {
                 let incoming = incoming.inspect(move |_| connections.inc("plaintext"));
-                tasks.spawn(async move {
-                    if let Err(error) = server.serve_with_incoming(incoming).await {
-                        tracing::error!(%error, "sync server stopped");
-                    }
-                });
+                tasks.spawn(serve(server, incoming));
                 tracing::warn!(%sync_addr, "sync server listening in PLAINTEXT: anyone on the network can read and forge the sync link; for local demos only");
             }
         }
@@ -257,6 +249,24 @@ impl Controller {
 /// changes half a minute late. These watches feed every agent, so they
 /// retry within 5 s (one list and watch per retry is cheap for the API
 /// server next to that delay).
+/// Serves the sync service over the connections of `incoming` (TLS or
+/// plaintext) until the process ends.
+async fn serve<I, IO, IE>(server: tonic::transport::server::Router, incoming: I)
+where
+    I: Stream<Item = Result<IO, IE>> + Send + 'static,
+    IO: tokio::io::AsyncRead
+        + tokio::io::AsyncWrite
+        + tonic::transport::server::Connected
+        + Unpin
+        + Send
+        + 'static,
+    IE: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    if let Err(error) = server.serve_with_incoming(incoming).await {
+        tracing::error!(%error, "sync server stopped");
+    }
+}
+
 fn watch_backoff() -> ResetTimerBackoff<watcher::ExponentialBackoff> {
     let retries = backon::ExponentialBuilder::default()
         .with_min_delay(std::time::Duration::from_millis(200))

@@ -137,8 +137,11 @@ impl Certificate {
     pub fn reload(&self) -> Result<bool, TlsError> {
         let (cert_path, key_path) = files(&self.dir);
         let (cert, key) = (read(&cert_path)?, read(&key_path)?);
-        if *self.loaded.read().expect("certificate lock") == (cert.clone(), key.clone()) {
-            return Ok(false);
+        {
+            let loaded = self.loaded.read().expect("certificate lock");
+            if loaded.0 == cert && loaded.1 == key {
+                return Ok(false);
+            }
         }
         let certified = certified(&self.provider, (&cert_path, &cert), (&key_path, &key))?;
         *self.current.write().expect("certificate lock") = Arc::new(certified);

@@ -105,6 +105,18 @@ struct SimulatedSite {
     _dir: tempfile::TempDir,
 }
 
+/// The cloud sets thermostat `name`'s desired setpoint.
+async fn set_setpoint(devices: &Api<Device>, name: &str, setpoint: f64) {
+    devices
+        .patch(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "spec": { "desired": { "setpoint": setpoint } } })),
+        )
+        .await
+        .unwrap();
+}
+
 async fn label(devices: &Api<Device>, name: &str, value: Option<&str>) {
     devices
         .patch(
@@ -512,14 +524,7 @@ async fn a_rule_acts_on_simulated_devices_across_a_kill_9_inside_its_for_window(
 
     // The cloud raises the thermostat's setpoint; once its report of it
     // is in, the rule's window runs.
-    devices
-        .patch(
-            &thermostat,
-            &PatchParams::default(),
-            &Patch::Merge(json!({ "spec": { "desired": { "setpoint": 35.0 } } })),
-        )
-        .await
-        .unwrap();
+    set_setpoint(&devices, &thermostat, 35.0).await;
     eventually("the thermostat reports the new setpoint", || async {
         let s = devices.get(&thermostat).await.ok()?.status?;
         // JSON keeps no difference between 35.0 and 35.
@@ -604,14 +609,7 @@ async fn rules_setting_each_others_thermostat_stop_at_the_chain_bound() {
     label(&devices, &first, Some("first")).await;
     label(&devices, &second, Some("second")).await;
     // The first runs warm (28), the second at the default (21).
-    devices
-        .patch(
-            &first,
-            &PatchParams::default(),
-            &Patch::Merge(json!({ "spec": { "desired": { "setpoint": 28.0 } } })),
-        )
-        .await
-        .unwrap();
+    set_setpoint(&devices, &first, 28.0).await;
     let role = |r: &str| json!({ "matchLabels": { "role": r } });
     for (name, watches, target, setpoint) in [
         ("first-warms-second", "first", "second", 30.0),
