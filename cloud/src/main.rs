@@ -7,6 +7,7 @@ use std::num::NonZeroU32;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+use edgefleet_cloud::agent_identity::AuthSettings;
 use edgefleet_cloud::run::{Controller, Settings};
 use edgefleet_shared::telemetry::{self, Readiness};
 use prometheus_client::registry::Registry;
@@ -92,6 +93,20 @@ struct RunArgs {
     /// and forge it. For local demos only.
     #[arg(long, env = "EDGEFLEET_INSECURE_PLAINTEXT", conflicts_with = "tls_dir")]
     insecure_plaintext: bool,
+    /// The ServiceAccount (`<namespace>/<name>`) whose tokens agents
+    /// present: the agents' DaemonSet runs as it. A token must be of it,
+    /// for the audience `edgefleet` and bound to a pod on the node the
+    /// agent names.
+    #[arg(
+        long,
+        env = "EDGEFLEET_AGENT_SERVICE_ACCOUNT",
+        default_value = "edgefleet-system/edgefleet-agent"
+    )]
+    agent_service_account: AuthSettings,
+    /// Believe the node an agent names, with no token: anyone who reaches
+    /// the sync port can speak for any node. For local demos only.
+    #[arg(long, env = "EDGEFLEET_INSECURE_UNAUTHENTICATED_AGENTS")]
+    insecure_unauthenticated_agents: bool,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -168,6 +183,10 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             dir,
             reload_every: std::time::Duration::from_secs(2),
         }),
+        agent_auth: match args.insecure_unauthenticated_agents {
+            true => AuthSettings::TrustHello,
+            false => args.agent_service_account,
+        },
     };
     let controller = Controller::start(client, settings).await?;
     readiness.set(true);

@@ -57,6 +57,8 @@ pub struct Settings {
     pub heartbeat: Heartbeat,
     /// TLS on the sync link; `None` serves plaintext (local demos only).
     pub tls: Option<crate::tls::TlsSettings>,
+    /// How agents prove their node.
+    pub agent_auth: crate::agent_identity::AuthSettings,
 }
 
 /// A running controller.
@@ -183,7 +185,18 @@ impl Controller {
             settings.device_event_metrics,
         );
         let beat = settings.heartbeat;
+        if settings.agent_auth == crate::agent_identity::AuthSettings::TrustHello {
+            tracing::warn!(
+                "agents are NOT AUTHENTICATED: the node a Hello names is believed, so anyone who reaches the sync port can speak for any node; for local demos only"
+            );
+        }
+        let auth = crate::agent_identity::AgentAuth::new(
+            &settings.agent_auth,
+            client.clone(),
+            sync_metrics.token_reviews.clone(),
+        );
         let service = SyncService::new(SyncParts {
+            auth,
             client,
             index,
             devices,

@@ -48,6 +48,11 @@ struct Cli {
     /// network can read and forge the sync link. For local demos only.
     #[arg(long, env = "EDGEFLEET_INSECURE_PLAINTEXT")]
     insecure_plaintext: bool,
+    /// The agent's ServiceAccount token (audience `edgefleet`), which the
+    /// kubelet projects into the pod and renews; read on every connect
+    /// and sent to the cloud, which takes the node from it.
+    #[arg(long, env = "EDGEFLEET_TOKEN_FILE")]
+    token_file: Option<PathBuf>,
     /// Where the agent keeps its store.
     #[arg(long, env = "EDGEFLEET_DATA_DIR", default_value = "/var/lib/edgefleet")]
     data_dir: PathBuf,
@@ -232,6 +237,7 @@ async fn main() -> anyhow::Result<()> {
     let settings = SyncSettings {
         cloud: cli.cloud.clone(),
         tls,
+        token_file: cli.token_file.clone(),
         node: cli.node.clone(),
         agent_version: env!("CARGO_PKG_VERSION").to_owned(),
         boot_id: boot_id(),

@@ -14,6 +14,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod agent_tokens;
 pub mod bench;
 pub mod certs;
 pub mod device_client;
@@ -177,6 +178,7 @@ pub fn in_process_controller(
         node_grace_period: Duration::from_secs(2),
         heartbeat: Default::default(),
         tls: None,
+        agent_auth: edgefleet_cloud::agent_identity::AuthSettings::TrustHello,
     }
 }
 
@@ -394,7 +396,8 @@ impl Drop for RestartableControlPlane {
     }
 }
 
-async fn client_from(kubeconfig: &Path) -> Client {
+/// A client with the rights of `kubeconfig`.
+pub async fn client_from(kubeconfig: &Path) -> Client {
     let kubeconfig = Kubeconfig::read_from(kubeconfig).expect("read kubeconfig");
     let config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
         .await

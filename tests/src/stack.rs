@@ -14,6 +14,7 @@ use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 
+use crate::agent_tokens::{self, AgentPod};
 use crate::certs::{self, LabCa};
 use crate::fault::FaultProxy;
 use crate::process::{Process, binary, free_tcp_addr, free_udp_addr, http_get};
@@ -103,6 +104,16 @@ impl Stack {
         }
         let (sync, cloud_metrics) = (free_tcp_addr(), free_tcp_addr());
         let tls = certs::lab(&spec.dir.join("tls"))?;
+        // Each agent proves its node with the token of a pod on it.
+        let client = crate::client_from(kubeconfig).await;
+        ensure_namespace(&client, &spec.namespace).await?;
+        let mut token_files = Vec::new();
+        for node in &spec.nodes {
+            let pod = AgentPod::on(&client, &spec.namespace, node).await?;
+            let file = spec.dir.join(format!("{node}.token"));
+            pod.write_token(&file)?;
+            token_files.push(file);
+        }
         let mut cloud_args = vec![
             "run".into(),
             format!("--sync-addr={sync}"),
@@ -113,6 +124,7 @@ impl Stack {
             ),
         ];
         cloud_args.extend(certs::cloud_args(&tls));
+        cloud_args.extend(agent_tokens::cloud_args(&spec.namespace));
         if spec.namespaced_controller {
             cloud_args.push(format!("--namespace={}", spec.namespace));
         }
@@ -121,7 +133,7 @@ impl Stack {
         wait_http(cloud_metrics, "/readyz", "the cloud controller").await?;
 
         let mut agents = Vec::new();
-        for node in &spec.nodes {
+        for (node, token_file) in spec.nodes.iter().zip(token_files) {
             let (coap, metrics) = (free_udp_addr(), free_tcp_addr());
             let mqtt = broker.unwrap_or_else(free_tcp_addr);
             let proxy = match spec.sync_through_proxy {
@@ -132,6 +144,7 @@ impl Stack {
             let mut args = vec![format!("--node={node}")];
             args.extend(certs::agent_args(&tls, cloud));
             args.extend([
+                format!("--token-file={}", token_file.display()),
                 format!("--data-dir={}", spec.dir.join(node).display()),
                 format!("--coap-bind={coap}"),
                 format!("--metrics-addr={metrics}"),

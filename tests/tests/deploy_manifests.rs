@@ -521,6 +521,8 @@ async fn the_controller_may_do_what_it_does_and_nothing_else() {
         ("get", "coordination.k8s.io", "leases", own_ns),
         ("create", "coordination.k8s.io", "leases", own_ns),
         ("update", "coordination.k8s.io", "leases", own_ns),
+        // Agents' tokens.
+        ("create", "authentication.k8s.io", "tokenreviews", None),
     ];
     // Things it must not be able to do.
     let refused = [
@@ -563,6 +565,14 @@ async fn the_controller_may_do_what_it_does_and_nothing_else() {
         ),
         ("bind", "rbac.authorization.k8s.io", "clusterroles", None),
         ("impersonate", "", "serviceaccounts", None),
+        // It checks agents' tokens; it never mints one.
+        ("create", "", "serviceaccounts/token", own_ns),
+        (
+            "create",
+            "certificates.k8s.io",
+            "certificatesigningrequests",
+            None,
+        ),
     ];
 
     let mut wrong = Vec::new();
@@ -874,6 +884,47 @@ fn the_pieces_fit_together() {
         (None, Some("edgefleet-sync-ca".to_owned()))
     );
 
+    // The agent proves its node with the token the kubelet projects for
+    // the audience the controller reviews, of the ServiceAccount the
+    // controller accepts.
+    let token_file = env_value(agent_container, "EDGEFLEET_TOKEN_FILE");
+    let (dir, file) = token_file.rsplit_once('/').unwrap();
+    let mount = agent_container
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| m.mount_path == dir)
+        .unwrap_or_else(|| panic!("nothing is mounted at {dir}"));
+    let agent_spec = agent_template.spec.as_ref().unwrap();
+    let projected = agent_spec
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == mount.name)
+        .and_then(|v| v.projected.as_ref())
+        .expect("the token's volume is projected");
+    let token = projected
+        .sources
+        .iter()
+        .flatten()
+        .find_map(|s| s.service_account_token.as_ref())
+        .expect("a serviceAccountToken source");
+    assert_eq!(token.path, file);
+    assert_eq!(
+        token.audience.as_deref(),
+        Some(edgefleet_cloud::agent_identity::AUDIENCE)
+    );
+    assert!(token.expiration_seconds.unwrap_or(3600) <= 3600);
+    assert_eq!(
+        env_value(cloud_container, "EDGEFLEET_AGENT_SERVICE_ACCOUNT"),
+        format!(
+            "{}/{}",
+            agent.metadata.namespace.as_deref().unwrap(),
+            agent_spec.service_account_name.as_deref().unwrap()
+        )
+    );
+    assert_eq!(agent_spec.automount_service_account_token, Some(false));
+
     // The agent's node name comes from the downward API.
     let node = agent_container
         .env
@@ -885,7 +936,6 @@ fn the_pieces_fit_together() {
     assert_eq!(node, Some("spec.nodeName"));
 
     // The agent listens where it says, on the node's network.
-    let agent_spec = agent_template.spec.as_ref().unwrap();
     assert_eq!(agent_spec.host_network, Some(true));
     assert_eq!(
         agent_spec.dns_policy.as_deref(),

@@ -11,6 +11,7 @@ use edgefleet_cloud::device_events::EVENT_BOOT_ANNOTATION;
 use edgefleet_shared::api::{Device, DevicePhase, DeviceSpec, Transport};
 use edgefleet_shared::codec::{self, DesiredState, DeviceReport};
 use edgefleet_shared::{PropertyValue, ResourceKey, topics};
+use edgefleet_tests::agent_tokens::{self, AgentPod};
 use edgefleet_tests::certs;
 use edgefleet_tests::device_client::{CoapDevice, code, next_on};
 use edgefleet_tests::mosquitto::Mosquitto;
@@ -42,6 +43,7 @@ struct Site {
     node: String,
     coap: SocketAddr,
     agent_metrics: SocketAddr,
+    cloud_metrics: SocketAddr,
     broker: Broker,
     agent: Process,
     _cloud: Process,
@@ -65,6 +67,7 @@ impl Site {
             format!("--namespace={ns}"),
         ];
         cloud_args.extend(certs::cloud_args(&tls));
+        cloud_args.extend(agent_tokens::cloud_args(&ns));
         let cloud = Process::start(
             "edgefleet-cloud",
             &cloud_args,
@@ -80,9 +83,16 @@ impl Site {
             Broker::Embedded(listen) => format!("--mqtt-listen={listen}"),
             Broker::External(addr) => format!("--mqtt-url=mqtt://{addr}"),
         };
+        let token_file = data.path().join("token");
+        AgentPod::on(&client, &ns, &node)
+            .await
+            .unwrap()
+            .write_token(&token_file)
+            .unwrap();
         let mut agent_args = vec![format!("--node={node}")];
         agent_args.extend(certs::agent_args(&tls, sync));
         agent_args.extend([
+            format!("--token-file={}", token_file.display()),
             format!("--data-dir={}", data.path().display()),
             format!("--coap-bind={coap}"),
             format!("--metrics-addr={agent_metrics}"),
@@ -99,6 +109,7 @@ impl Site {
             node,
             coap,
             agent_metrics,
+            cloud_metrics,
             broker,
             agent,
             _cloud: cloud,
@@ -293,6 +304,18 @@ async fn a_device_report_over_coap_reaches_device_status_and_bad_input_is_refuse
         },
     )
     .await;
+
+    // The agent proved its node with its pod's token, over TLS.
+    let (_, metrics) = http_get(site.cloud_metrics, "/metrics").await.unwrap();
+    let sync = |name: &str, outcome: &str| {
+        metric(
+            &metrics,
+            &format!("edgefleet_cloud_sync_{name}_total{{outcome=\"{outcome}\"}}"),
+        )
+    };
+    assert!(sync("authentications", "token") >= 1.0, "{metrics}");
+    assert!(sync("connections", "tls") >= 1.0, "{metrics}");
+    assert_eq!(sync("authentications", "trusted_hello"), 0.0, "{metrics}");
 }
 
 #[tokio::test]

@@ -85,6 +85,7 @@ fn start_agent(controller: &Controller, node: &str, store: &Store) -> tokio::tas
     let settings = SyncSettings {
         cloud: format!("http://{}", controller.sync_addr),
         tls: None,
+        token_file: None,
         node: node.to_owned(),
         agent_version: "test".into(),
         boot_id: format!("boot-{node}"),

@@ -60,6 +60,7 @@ impl Site {
         let store = Store::open(&self.dir.path().join(node)).unwrap().store;
         let settings = SyncSettings {
             cloud: format!("https://{}", self.controller.sync_addr),
+            token_file: None,
             tls: Some(CloudTls {
                 ca_file: ca.ca_file(),
                 server_name: None,

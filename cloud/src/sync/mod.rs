@@ -26,8 +26,10 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
+use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::agent_identity::{self, AgentAuth};
 use crate::agents::{Agents, delivered_to};
 use crate::device_events::DeviceEvents;
 use crate::edge_node::NodeStatus;
@@ -73,6 +75,13 @@ pub struct SyncMetrics {
     pub connections: Outcomes,
     /// Certificate files that changed, by outcome (`loaded`, `failed`).
     pub tls_reloads: Outcomes,
+    /// Streams by how the agent proved its node: `token`, `trusted_hello`
+    /// (no check, `--insecure-unauthenticated-agents`), or why it was
+    /// refused (`no_token`, `invalid_token`, `wrong_service_account`,
+    /// `node_mismatch`, `review_failed`, …).
+    pub authentications: Outcomes,
+    /// TokenReviews sent to the API server.
+    pub token_reviews: Counter,
 }
 
 impl SyncMetrics {
@@ -113,6 +122,16 @@ impl SyncMetrics {
             "tls_reloads",
             "Changes of the certificate files by outcome (loaded, failed)",
         );
+        self.authentications.register(
+            registry,
+            "authentications",
+            "Agent streams by how the agent proved its node (token, trusted_hello) or why it was refused",
+        );
+        registry.register(
+            "token_reviews",
+            "TokenReviews sent to the API server",
+            self.token_reviews.clone(),
+        );
     }
 }
 
@@ -127,6 +146,7 @@ pub struct SyncService {
     events: Events,
     device_events: DeviceEvents,
     metrics: Arc<SyncMetrics>,
+    auth: AgentAuth,
     sessions: Arc<AtomicU64>,
     heartbeat: Heartbeat,
 }
@@ -151,6 +171,8 @@ pub struct SyncParts {
     pub device_events: DeviceEvents,
     /// The counters.
     pub metrics: Arc<SyncMetrics>,
+    /// How agents prove their node.
+    pub auth: AgentAuth,
 }
 
 impl SyncService {
@@ -167,6 +189,7 @@ impl SyncService {
             events,
             device_events,
             metrics,
+            auth,
         } = parts;
         SyncService {
             client,
@@ -177,6 +200,7 @@ impl SyncService {
             events,
             device_events,
             metrics,
+            auth,
             sessions: Arc::default(),
             heartbeat: Heartbeat::default(),
         }
@@ -220,6 +244,7 @@ impl proto::sync_server::Sync for SyncService {
         &self,
         request: Request<Streaming<proto::AgentMessage>>,
     ) -> Result<Response<Self::StreamStream>, Status> {
+        let authenticated = self.authenticate(request.metadata()).await?;
         let mut inbound = request.into_inner();
         let limit = self.heartbeat.silence_limit();
         let Ok(first) = tokio::time::timeout(limit, inbound.message()).await else {
@@ -245,6 +270,16 @@ impl proto::sync_server::Sync for SyncService {
             self.metrics.refused.inc("bad_node_name");
             return Err(Status::invalid_argument(format!(
                 "node name {:?} is not a Kubernetes node name",
+                hello.node
+            )));
+        }
+        if let Some(node) = authenticated
+            && node != hello.node
+        {
+            self.metrics.authentications.inc("node_mismatch");
+            tracing::warn!(authenticated = %node, claimed = %hello.node, "an agent claimed another node than its token's: refused");
+            return Err(Status::permission_denied(format!(
+                "the token is of node {node}, the Hello names {}",
                 hello.node
             )));
         }
@@ -275,6 +310,40 @@ impl proto::sync_server::Sync for SyncService {
         };
         tokio::spawn(session.run(opening, hello, inbound, tx, node_status));
         Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+impl SyncService {
+    /// The node the stream's token is bound to (`None` when Hellos are
+    /// believed), counted by outcome.
+    async fn authenticate(&self, metadata: &MetadataMap) -> Result<Option<String>, Status> {
+        let reviews = match &self.auth {
+            AgentAuth::TrustHello => {
+                self.metrics.authentications.inc("trusted_hello");
+                return Ok(None);
+            }
+            AgentAuth::Tokens(reviews) => reviews,
+        };
+        let header = metadata.get("authorization").map(|value| value.as_bytes());
+        let verdict = match agent_identity::bearer(header) {
+            Err(refusal) => Err(refusal),
+            Ok(token) => reviews.node(token).await.map_err(|failed| {
+                self.metrics.authentications.inc("review_failed");
+                tracing::warn!(%failed, "could not review an agent's token");
+                Status::unavailable(failed.to_string())
+            })?,
+        };
+        match verdict {
+            Ok(node) => {
+                self.metrics.authentications.inc("token");
+                Ok(Some(node))
+            }
+            Err(refusal) => {
+                self.metrics.authentications.inc(refusal.label());
+                tracing::warn!(%refusal, "an agent was refused");
+                Err(refusal.status())
+            }
+        }
     }
 }
 

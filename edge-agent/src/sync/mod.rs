@@ -48,6 +48,9 @@ pub struct SyncSettings {
     pub cloud: String,
     /// How the cloud's certificate is checked (`None`: plaintext).
     pub tls: Option<CloudTls>,
+    /// The ServiceAccount token that proves this node, read on every
+    /// connect (the kubelet renews it); `None` sends none.
+    pub token_file: Option<std::path::PathBuf>,
     /// This node's Kubernetes name.
     pub node: String,
     /// This agent's version.
@@ -175,6 +178,14 @@ pub enum SyncError {
         /// Why.
         source: std::io::Error,
     },
+    /// The token file cannot be read, or is no token.
+    #[error("read the token {path}: {reason}")]
+    Token {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why.
+        reason: String,
+    },
     /// The cloud refused or broke the stream.
     #[error("sync stream: {0}")]
     Stream(#[from] tonic::Status),
@@ -187,6 +198,22 @@ pub enum SyncError {
     /// Nothing heard from the cloud for 3 heartbeat intervals.
     #[error("heard nothing from the cloud for {0:?}")]
     Silent(Duration),
+}
+
+/// The `authorization` header of the token in `path`, as it is now.
+fn bearer(path: &std::path::Path) -> Result<tonic::metadata::AsciiMetadataValue, SyncError> {
+    let failed = |reason: String| SyncError::Token {
+        path: path.to_owned(),
+        reason,
+    };
+    let token = std::fs::read_to_string(path).map_err(|e| failed(e.to_string()))?;
+    let token = token.trim();
+    if token.is_empty() {
+        return Err(failed("the file is empty".into()));
+    }
+    format!("Bearer {token}")
+        .parse()
+        .map_err(|_| failed("not a token: it has characters a header cannot carry".into()))
 }
 
 /// `error` and its causes, `: `-separated (tonic's own message is only
@@ -324,7 +351,13 @@ async fn talk(
         bytes.sent(&message, backlog_up_to);
         message
     });
-    let mut inbound = client.stream(outgoing).await?.into_inner();
+    let mut request = tonic::Request::new(outgoing);
+    if let Some(path) = &settings.token_file {
+        request
+            .metadata_mut()
+            .insert("authorization", bearer(path)?);
+    }
+    let mut inbound = client.stream(request).await?.into_inner();
     watch.heard();
     *opened = true;
     tracing::info!(cloud = %settings.cloud, node = %settings.node, "sync stream open");
