@@ -9,6 +9,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use edgefleet_cloud::agent_identity::AuthSettings;
 use edgefleet_cloud::run::{Controller, Settings};
+use edgefleet_cloud::sync::admission::Limits;
 use edgefleet_shared::telemetry::{self, Readiness};
 use prometheus_client::registry::Registry;
 
@@ -107,6 +108,15 @@ struct RunArgs {
     /// the sync port can speak for any node. For local demos only.
     #[arg(long, env = "EDGEFLEET_INSECURE_UNAUTHENTICATED_AGENTS")]
     insecure_unauthenticated_agents: bool,
+    /// Most sync connections open at once, and most streams (one per
+    /// agent); beyond, new ones are refused and counted.
+    #[arg(long, env = "EDGEFLEET_MAX_CONNECTIONS", default_value_t = Limits::default().max_connections)]
+    max_connections: usize,
+    /// Most sync connections, and most streams, from one address. Agents
+    /// of a site behind one NAT share its address: raise it for a site
+    /// with more agents than this.
+    #[arg(long, env = "EDGEFLEET_MAX_PER_ADDRESS", default_value_t = Limits::default().max_per_address)]
+    max_per_address: usize,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -183,6 +193,12 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             dir,
             reload_every: std::time::Duration::from_secs(2),
         }),
+        limits: Limits {
+            max_connections: args.max_connections,
+            max_streams: args.max_connections,
+            max_per_address: args.max_per_address,
+            ..Limits::default()
+        },
         agent_auth: match args.insecure_unauthenticated_agents {
             true => AuthSettings::TrustHello,
             false => args.agent_service_account,

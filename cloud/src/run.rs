@@ -26,6 +26,7 @@ use crate::events::{EventMetrics, Events};
 use crate::index::Index;
 use crate::reconcile::{self, Context};
 use crate::status::{StatusMetrics, StatusWriter};
+use crate::sync::admission::Admission;
 use crate::sync::{SyncMetrics, SyncParts, SyncService};
 
 /// What the controller needs to start.
@@ -59,6 +60,8 @@ pub struct Settings {
     pub tls: Option<crate::tls::TlsSettings>,
     /// How agents prove their node.
     pub agent_auth: crate::agent_identity::AuthSettings,
+    /// Bounds on connections and streams.
+    pub limits: crate::sync::admission::Limits,
 }
 
 /// A running controller.
@@ -195,8 +198,10 @@ impl Controller {
             client.clone(),
             sync_metrics.token_reviews.clone(),
         );
+        let admission = Admission::new(settings.limits, sync_metrics.connections.clone());
         let service = SyncService::new(SyncParts {
             auth,
+            admission: Arc::clone(&admission),
             client,
             index,
             devices,
@@ -214,15 +219,33 @@ impl Controller {
             .with_nodelay(Some(true))
             .with_keepalive(Some(beat.tcp_keepalive()))
             .with_keepalive_interval(Some(beat.interval));
+        // What a connection may make the server hold before any of it is
+        // authenticated: 4 streams (an agent needs one), 16 KiB of headers
+        // (a token is about 1 KiB), 256 KiB of unread data per stream and
+        // 1 MiB per connection.
         let server = tonic::transport::Server::builder()
             .http2_keepalive_interval(Some(beat.keepalive_interval()))
             .http2_keepalive_timeout(Some(beat.keepalive_timeout()))
+            .max_concurrent_streams(4)
+            .http2_max_header_list_size(16 * 1024)
+            .initial_stream_window_size(256 * 1024)
+            .initial_connection_window_size(1024 * 1024)
             .add_service(
                 SyncServer::new(service)
                     .max_decoding_message_size(edgefleet_shared::proto::MAX_MESSAGE_BYTES)
                     .max_encoding_message_size(edgefleet_shared::proto::MAX_MESSAGE_BYTES),
             );
         let connections = sync_metrics.connections.clone();
+        let incoming = incoming.filter_map(move |accepted| {
+            let admitted = match accepted {
+                Ok(stream) => admission.admit(stream),
+                Err(error) => {
+                    tracing::debug!(%error, "accepting a sync connection failed");
+                    None
+                }
+            };
+            std::future::ready(admitted)
+        });
         match &settings.tls {
             Some(tls) => {
                 let certificate = crate::tls::Certificate::load(&tls.dir)?;
@@ -237,7 +260,10 @@ impl Controller {
                 tracing::info!(%sync_addr, cert = %tls.dir.display(), "sync server listening (TLS)");
             }
             None => {
-                let incoming = incoming.inspect(move |_| connections.inc("plaintext"));
+                let incoming = incoming.map(move |stream| {
+                    connections.inc("plaintext");
+                    Ok::<_, std::io::Error>(stream)
+                });
                 tasks.spawn(serve(server, incoming));
                 tracing::warn!(%sync_addr, "sync server listening in PLAINTEXT: anyone on the network can read and forge the sync link; for local demos only");
             }

@@ -27,6 +27,8 @@ use tokio::sync::{Semaphore, mpsc};
 use tokio_rustls::TlsAcceptor;
 use tokio_rustls::server::TlsStream;
 
+use crate::sync::admission::Guarded;
+
 /// Most TLS handshakes under way at once; connections beyond are closed at
 /// once and counted (`too_many_handshakes`).
 pub const MAX_HANDSHAKES: usize = 256;
@@ -191,29 +193,22 @@ pub fn accept<S>(
     tcp: S,
     acceptor: TlsAcceptor,
     connections: Outcomes,
-) -> impl Stream<Item = Result<TlsStream<TcpStream>, io::Error>>
+) -> impl Stream<Item = Result<TlsStream<Guarded<TcpStream>>, io::Error>>
 where
-    S: Stream<Item = Result<TcpStream, io::Error>> + Send + 'static,
+    S: Stream<Item = Guarded<TcpStream>> + Send + 'static,
 {
     let (tx, rx) = mpsc::channel(64);
     tokio::spawn(async move {
         let handshakes = Arc::new(Semaphore::new(MAX_HANDSHAKES));
         let mut tcp = std::pin::pin!(tcp);
-        while let Some(accepted) = tcp.next().await {
-            let stream = match accepted {
-                Ok(stream) => stream,
-                Err(error) => {
-                    tracing::debug!(%error, "accepting a sync connection failed");
-                    continue;
-                }
-            };
+        while let Some(stream) = tcp.next().await {
             let Ok(permit) = Arc::clone(&handshakes).try_acquire_owned() else {
                 connections.inc("too_many_handshakes");
                 continue;
             };
             let (acceptor, tx, connections) = (acceptor.clone(), tx.clone(), connections.clone());
             tokio::spawn(async move {
-                let peer = stream.peer_addr().ok();
+                let peer = stream.remote();
                 let shaken = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await;
                 drop(permit);
                 match shaken {

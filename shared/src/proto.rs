@@ -20,6 +20,30 @@ pub const UPLINK_WINDOW: usize = 2048;
 /// body is buffered: the stream ends with `OUT_OF_RANGE`.
 pub const MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
 
+/// Where Updates and Inventory parts are cut: at most this many bytes of
+/// entries each (one entry larger than it goes alone), so a node with many
+/// Devices or large desired states never needs a message near
+/// [`MAX_MESSAGE_BYTES`].
+pub const MAX_BATCH_BYTES: usize = 1024 * 1024;
+
+/// Splits `items` into batches of at most [`MAX_BATCH_BYTES`] by
+/// `bytes` (an item larger than that makes a batch of its own); an empty
+/// `items` gives one empty batch.
+pub fn batches_by_bytes<T>(items: Vec<T>, bytes: impl Fn(&T) -> usize) -> Vec<Vec<T>> {
+    let mut batches = vec![Vec::new()];
+    let mut size = 0;
+    for item in items {
+        let len = bytes(&item);
+        if size + len > MAX_BATCH_BYTES && batches.last().is_some_and(|b| !b.is_empty()) {
+            batches.push(Vec::new());
+            size = 0;
+        }
+        size += len;
+        batches.last_mut().expect("never empty").push(item);
+    }
+    batches
+}
+
 /// Most entries of one flow an agent has in flight: half the window each,
 /// so reports always have room while events wait, and together they stay
 /// within [`UPLINK_WINDOW`].
@@ -140,6 +164,27 @@ mod tests {
             let back = PropertyValue::decode(bytes.as_slice()).unwrap();
             assert_eq!(Value::try_from(&back).unwrap(), v);
         }
+    }
+
+    #[test]
+    fn batches_are_cut_by_bytes_and_keep_every_item_in_order() {
+        let third = MAX_BATCH_BYTES / 3;
+        let sizes = vec![third, third, third, third, MAX_BATCH_BYTES * 2, 1, 1];
+        let batches = batches_by_bytes(sizes.clone(), |len| *len);
+        assert_eq!(
+            batches,
+            vec![
+                vec![third, third, third],
+                vec![third],
+                vec![MAX_BATCH_BYTES * 2],
+                vec![1, 1]
+            ]
+        );
+        assert_eq!(batches.concat(), sizes);
+        assert_eq!(
+            batches_by_bytes(Vec::<usize>::new(), |l| *l),
+            vec![Vec::<usize>::new()]
+        );
     }
 
     #[test]

@@ -179,6 +179,7 @@ pub fn in_process_controller(
         heartbeat: Default::default(),
         tls: None,
         agent_auth: edgefleet_cloud::agent_identity::AuthSettings::TrustHello,
+        limits: Default::default(),
     }
 }
 

@@ -692,7 +692,7 @@ async fn a_hello_digest_that_matches_nothing_known_is_answered_by_asking_for_the
     let uid = |d: &Device| d.metadata.uid.clone().unwrap();
     let a = devices.get("a").await.unwrap();
     // The agent holds a as it is, and "ghost", which the cloud never had.
-    let held = vec![
+    let held = [
         proto::HeldResource {
             key: ResourceKey::device(&ns, "a").to_string(),
             version: Some((&edgefleet_shared::ResourceVersion::new(uid(&a), 1)).into()),
@@ -717,14 +717,24 @@ async fn a_hello_digest_that_matches_nothing_known_is_answered_by_asking_for_the
         let mut agent = RawAgent::connect(&controller, hello).await;
         let first = agent.next().await;
         assert!(
-            matches!(first, Some(proto::cloud_message::Kind::InventoryRequest(_))),
+            matches!(
+                first,
+                Some(proto::cloud_message::Kind::InventoryRequest(
+                    proto::InventoryRequest { parts: true }
+                ))
+            ),
             "{first:?}"
         );
-        agent
-            .send(proto::agent_message::Kind::Inventory(proto::Inventory {
-                held: held.clone(),
-            }))
-            .await;
+        // In two parts.
+        let (head, tail) = held.split_at(1);
+        for (part, more) in [(head, true), (tail, false)] {
+            agent
+                .send(proto::agent_message::Kind::Inventory(proto::Inventory {
+                    held: part.to_vec(),
+                    more,
+                }))
+                .await;
+        }
         let update = loop {
             match agent.next().await {
                 Some(proto::cloud_message::Kind::Update(update)) => break update,

@@ -36,7 +36,9 @@ use crate::edge_node::NodeStatus;
 use crate::events::{Events, Note, resource_reference};
 use crate::index::{Index, NodeSlice};
 use crate::status::{Completion, StatusChange, StatusWriter};
+use admission::{Admission, Bound, Peer, Place};
 
+pub mod admission;
 pub mod session;
 
 pub use session::{
@@ -147,6 +149,7 @@ pub struct SyncService {
     device_events: DeviceEvents,
     metrics: Arc<SyncMetrics>,
     auth: AgentAuth,
+    admission: Arc<Admission>,
     sessions: Arc<AtomicU64>,
     heartbeat: Heartbeat,
 }
@@ -173,6 +176,8 @@ pub struct SyncParts {
     pub metrics: Arc<SyncMetrics>,
     /// How agents prove their node.
     pub auth: AgentAuth,
+    /// Bounds on connections and streams.
+    pub admission: Arc<Admission>,
 }
 
 impl SyncService {
@@ -190,6 +195,7 @@ impl SyncService {
             device_events,
             metrics,
             auth,
+            admission,
         } = parts;
         SyncService {
             client,
@@ -201,6 +207,7 @@ impl SyncService {
             device_events,
             metrics,
             auth,
+            admission,
             sessions: Arc::default(),
             heartbeat: Heartbeat::default(),
         }
@@ -244,7 +251,24 @@ impl proto::sync_server::Sync for SyncService {
         &self,
         request: Request<Streaming<proto::AgentMessage>>,
     ) -> Result<Response<Self::StreamStream>, Status> {
+        // A place among the open streams before anything else is read.
+        let peer = Peer::of(&request).cloned();
+        let place = match &peer {
+            Some(peer) => Some(self.admission.stream(peer.remote.ip()).map_err(|bound| {
+                let label = match bound {
+                    Bound::Total => "too_many_streams",
+                    Bound::PerAddress => "too_many_streams_from_address",
+                };
+                self.metrics.refused.inc(label);
+                tracing::info!(remote = %peer.remote, label, "sync stream refused");
+                Status::resource_exhausted(format!("{label}: try again later"))
+            })?),
+            None => None,
+        };
         let authenticated = self.authenticate(request.metadata()).await?;
+        if let Some(peer) = &peer {
+            peer.authenticated();
+        }
         let mut inbound = request.into_inner();
         let limit = self.heartbeat.silence_limit();
         let Ok(first) = tokio::time::timeout(limit, inbound.message()).await else {
@@ -307,6 +331,7 @@ impl proto::sync_server::Sync for SyncService {
             status: self.status.clone(),
             metrics: Arc::clone(&self.metrics),
             heartbeat: self.heartbeat,
+            _place: place,
         };
         tokio::spawn(session.run(opening, hello, inbound, tx, node_status));
         Ok(Response::new(ReceiverStream::new(rx)))
@@ -377,6 +402,8 @@ struct Driver {
     status: StatusWriter,
     metrics: Arc<SyncMetrics>,
     heartbeat: Heartbeat,
+    // Its place among the open streams, given back when it ends.
+    _place: Option<Place>,
 }
 
 /// Why a driven session ended.

@@ -18,6 +18,7 @@
 //!   (reports, events), so a status write never waits for the Events
 //!   before it, and for both flows together, for agents that know no flows.
 
+use prost::Message;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use edgefleet_shared::PropertyValue;
@@ -46,8 +47,14 @@ pub const MAX_OVERRIDES: usize = 4 * edgefleet_shared::codec::MAX_PROPERTIES;
 /// The longest property or rule name in an override (a Kubernetes name).
 const MAX_NAME: usize = 253;
 
-/// Most resources in one Update, so one message stays small.
+/// Most resources in one Update, so one message stays small (and at most
+/// [`proto::MAX_BATCH_BYTES`] of them).
 pub const MAX_RESOURCES_PER_UPDATE: usize = 256;
+
+/// Most resources an agent's Inventory may list in all its parts: far
+/// beyond any node's slice, but a bound on what one agent makes the
+/// session hold.
+pub const MAX_INVENTORY: usize = 1_000_000;
 
 /// Resources by key with the version the agent holds.
 pub type Holdings = BTreeMap<ResourceKey, ResourceVersion>;
@@ -132,6 +139,8 @@ pub enum SessionError {
     /// The agent went away before listing what it holds.
     #[error("the agent left before sending its inventory")]
     NoInventory,
+    #[error("the inventory lists more than {MAX_INVENTORY} resources")]
+    InventoryTooLarge,
 }
 
 impl SessionError {
@@ -142,6 +151,7 @@ impl SessionError {
             SessionError::UplinkWindowExceeded => "uplink_window_exceeded",
             SessionError::BadHeld { .. } => "bad_held_key",
             SessionError::NoInventory => "no_inventory",
+            SessionError::InventoryTooLarge => "inventory_too_large",
         }
     }
 }
@@ -215,6 +225,8 @@ pub struct Session {
     store_id: String,
     // Whether what the agent holds is known (else an Inventory is awaited).
     live: bool,
+    // The parts of an Inventory that came so far.
+    inventory: Holdings,
     slice: NodeSlice,
     sent: Holdings,
     // What the agent has confirmed it holds (its opening, then its answers).
@@ -246,6 +258,7 @@ impl Session {
             node: node.to_owned(),
             store_id: store_id.to_owned(),
             live: false,
+            inventory: Holdings::new(),
             slice,
             sent: Holdings::new(),
             confirmed: Holdings::new(),
@@ -256,7 +269,7 @@ impl Session {
         let effects = match known {
             Some(held) => session.go_live(held),
             None => vec![Effect::Send(cloud_message::Kind::InventoryRequest(
-                proto::InventoryRequest {},
+                proto::InventoryRequest { parts: true },
             ))],
         };
         (session, effects)
@@ -357,13 +370,24 @@ impl Session {
                 update.removals.push(key.to_string());
                 carried.removals.push(key);
             }
-            let room = MAX_RESOURCES_PER_UPDATE.saturating_sub(update.removals.len());
-            for (key, entry) in upserts.by_ref().take(room) {
-                update.upserts.push(proto::Resource {
+            let mut bytes = update.encoded_len();
+            while update.upserts.len() + update.removals.len() < MAX_RESOURCES_PER_UPDATE {
+                let Some((key, entry)) = upserts.peek() else {
+                    break;
+                };
+                let resource = proto::Resource {
                     key: key.to_string(),
                     version: Some((&entry.version).into()),
                     body: Some(entry.body.clone()),
-                });
+                };
+                // One resource larger than a batch goes alone.
+                let len = resource.encoded_len() + 4;
+                if bytes + len > proto::MAX_BATCH_BYTES && !update.upserts.is_empty() {
+                    break;
+                }
+                bytes += len;
+                let (key, entry) = upserts.next().expect("peeked");
+                update.upserts.push(resource);
                 self.sent.insert(key.clone(), entry.version.clone());
                 carried.upserts.push((key, entry.version.clone()));
             }
@@ -388,8 +412,17 @@ impl Session {
                 events_dropped: beat.events_dropped as i64,
             }],
             agent_message::Kind::Inventory(inventory) if !self.live => {
-                let held = parse_held(&inventory.held)?;
-                self.go_live(held)
+                self.inventory.extend(parse_held(&inventory.held)?);
+                if self.inventory.len() > MAX_INVENTORY {
+                    return Err(SessionError::InventoryTooLarge);
+                }
+                match inventory.more {
+                    true => Vec::new(),
+                    false => {
+                        let held = std::mem::take(&mut self.inventory);
+                        self.go_live(held)
+                    }
+                }
             }
             agent_message::Kind::Inventory(_) => vec![Effect::Counted("unasked_inventory")],
             agent_message::Kind::Hello(_) => return Err(SessionError::SecondHello),
@@ -831,27 +864,116 @@ mod tests {
         assert_eq!(again[0].upserts[0].key, key("bad").to_string());
     }
 
+    fn inventory(held: &[(&str, i64)], more: bool) -> proto::AgentMessage {
+        let held = held
+            .iter()
+            .map(|(name, generation)| proto::HeldResource {
+                key: key(name).to_string(),
+                version: Some((&ResourceVersion::new(format!("uid-{name}"), *generation)).into()),
+            })
+            .collect();
+        proto::AgentMessage {
+            kind: Some(agent_message::Kind::Inventory(proto::Inventory {
+                held,
+                more,
+            })),
+        }
+    }
+
     #[test]
-    fn an_unknown_digest_asks_for_the_list_and_sends_nothing_before_it() {
+    fn an_unknown_digest_asks_for_the_list_in_parts_and_sends_nothing_before_the_last() {
         let (mut session, effects) = Session::open("edge-1", "s1", slice(&[("a", 1)]), None);
         assert_eq!(
             effects,
             [Effect::Send(cloud_message::Kind::InventoryRequest(
-                proto::InventoryRequest {}
+                proto::InventoryRequest { parts: true }
             ))]
         );
-        assert!(session.slice_changed(slice(&[("a", 2)])).is_empty());
-        let inventory = proto::AgentMessage {
-            kind: Some(agent_message::Kind::Inventory(proto::Inventory {
-                held: vec![proto::HeldResource {
-                    key: key("a").to_string(),
-                    version: Some((&ResourceVersion::new("uid-a", 2)).into()),
-                }],
-            })),
-        };
-        let effects = session.received(inventory).unwrap();
+        assert!(
+            session
+                .slice_changed(slice(&[("a", 2), ("b", 1)]))
+                .is_empty()
+        );
+        assert!(
+            session
+                .received(inventory(&[("a", 2)], true))
+                .unwrap()
+                .is_empty()
+        );
+        assert!(!session.is_live());
+        let effects = session.received(inventory(&[("b", 1)], false)).unwrap();
         assert!(matches!(effects[0], Effect::Live(_)));
-        assert!(updates(&effects).is_empty(), "it holds the latest already");
+        assert!(
+            updates(&effects).is_empty(),
+            "the parts together hold the latest"
+        );
+    }
+
+    #[test]
+    fn an_inventory_beyond_the_bound_ends_the_session() {
+        let (mut session, _) = Session::open("edge-1", "s1", slice(&[]), None);
+        let names: Vec<String> = (0..=MAX_INVENTORY).map(|i| format!("d{i}")).collect();
+        let mut parts = names.chunks(100_000).peekable();
+        while let Some(part) = parts.next() {
+            let held: Vec<(&str, i64)> = part.iter().map(|n| (n.as_str(), 1)).collect();
+            let result = session.received(inventory(&held, true));
+            if parts.peek().is_none() {
+                assert_eq!(result.unwrap_err(), SessionError::InventoryTooLarge);
+            } else {
+                assert!(result.unwrap().is_empty());
+            }
+        }
+    }
+
+    #[test]
+    fn updates_are_cut_by_bytes_as_well_as_by_count() {
+        // 40 devices of about 100 KiB of desired state each: 4 MiB, past
+        // what one Update may carry.
+        let big = |name: &str| {
+            let entry = Indexed {
+                version: ResourceVersion::new(format!("uid-{name}"), 1),
+                body: resource::Body::Device(proto::DeviceDesired {
+                    namespace: "plant".into(),
+                    name: name.into(),
+                    model: "x".repeat(100 * 1024),
+                    ..Default::default()
+                }),
+            };
+            (key(name), Arc::new(entry))
+        };
+        let names: Vec<String> = (0..40).map(|i| format!("d{i}")).collect();
+        let slice: NodeSlice = names.iter().map(|n| big(n)).collect();
+        let (_, effects) = Session::open("edge-1", "s1", slice, Some(Holdings::new()));
+        let sent = updates(&effects);
+        assert!(sent.len() >= 4, "{} updates", sent.len());
+        for update in &sent {
+            assert!(
+                update.encoded_len() <= proto::MAX_BATCH_BYTES + 1024,
+                "an Update of {} bytes",
+                update.encoded_len()
+            );
+        }
+        let keys: BTreeSet<String> = sent
+            .iter()
+            .flat_map(|u| u.upserts.iter().map(|r| r.key.clone()))
+            .collect();
+        assert_eq!(keys.len(), 40);
+
+        // One resource larger than a batch still goes, alone.
+        let huge = Indexed {
+            version: ResourceVersion::new("uid-huge", 1),
+            body: resource::Body::Device(proto::DeviceDesired {
+                name: "huge".into(),
+                model: "x".repeat(proto::MAX_BATCH_BYTES + 10),
+                ..Default::default()
+            }),
+        };
+        let slice: NodeSlice = [(key("huge"), Arc::new(huge)), big("small")]
+            .into_iter()
+            .collect();
+        let (_, effects) = Session::open("edge-1", "s1", slice, Some(Holdings::new()));
+        let sizes: Vec<usize> = updates(&effects).iter().map(|u| u.upserts.len()).collect();
+        assert_eq!(sizes, [1, 1]);
     }
 
     #[test]

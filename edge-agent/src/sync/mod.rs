@@ -388,10 +388,11 @@ async fn talk(
                     Step::UplinkAcked { reports, events } => {
                         store.acknowledge_uplink(reports, events).await?;
                     }
-                    Step::ListHoldings => {
+                    Step::ListHoldings { parts } => {
                         tracing::info!(cloud = %settings.cloud, "the cloud asked what this agent holds");
-                        let inventory = session::inventory(&store.held()?);
-                        send(&tx, agent_message::Kind::Inventory(inventory)).await?;
+                        for part in session::inventory(&store.held()?, parts) {
+                            send(&tx, agent_message::Kind::Inventory(part)).await?;
+                        }
                     }
                     Step::Nothing => {}
                 }

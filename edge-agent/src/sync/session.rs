@@ -10,6 +10,7 @@
 //! the reply is an Ack, or a Nack naming only the resources refused —
 //! everything else in that Update is stored all the same.
 
+use prost::Message;
 use std::collections::{BTreeMap, VecDeque};
 
 use edgefleet_shared::api::Transport;
@@ -42,8 +43,12 @@ pub enum Step {
         /// Events acknowledged up to this sequence number.
         events: u64,
     },
-    /// The cloud asks what the store holds: send [`inventory`].
-    ListHoldings,
+    /// The cloud asks what the store holds: send [`inventory`], in parts
+    /// if it allows them.
+    ListHoldings {
+        /// Whether the cloud takes the list in parts.
+        parts: bool,
+    },
     /// Nothing to do (a heartbeat).
     Nothing,
 }
@@ -66,7 +71,9 @@ impl Session {
                 self.events.acknowledged(events);
                 Step::UplinkAcked { reports, events }
             }
-            Some(cloud_message::Kind::InventoryRequest(_)) => Step::ListHoldings,
+            Some(cloud_message::Kind::InventoryRequest(request)) => Step::ListHoldings {
+                parts: request.parts,
+            },
             Some(cloud_message::Kind::Heartbeat(_)) | None => Step::Nothing,
         }
     }
@@ -128,17 +135,29 @@ pub fn hello<'a>(
     }
 }
 
-/// The answer to an InventoryRequest.
-pub fn inventory(held: &[(ResourceKey, ResourceVersion)]) -> proto::Inventory {
-    proto::Inventory {
-        held: held
-            .iter()
-            .map(|(key, version)| proto::HeldResource {
-                key: key.to_string(),
-                version: Some(version.into()),
-            })
-            .collect(),
+/// The answer to an InventoryRequest: in parts of at most
+/// [`proto::MAX_BATCH_BYTES`] when the cloud allows `parts`, else whole.
+pub fn inventory(held: &[(ResourceKey, ResourceVersion)], parts: bool) -> Vec<proto::Inventory> {
+    let held: Vec<proto::HeldResource> = held
+        .iter()
+        .map(|(key, version)| proto::HeldResource {
+            key: key.to_string(),
+            version: Some(version.into()),
+        })
+        .collect();
+    if !parts {
+        return vec![proto::Inventory { held, more: false }];
     }
+    let batches = proto::batches_by_bytes(held, |h| h.encoded_len() + 4);
+    let last = batches.len() - 1;
+    batches
+        .into_iter()
+        .enumerate()
+        .map(|(i, held)| proto::Inventory {
+            held,
+            more: i < last,
+        })
+        .collect()
 }
 
 /// Judges an Update resource by resource: what to store, and the reply to
@@ -401,6 +420,40 @@ mod tests {
                 ..Default::default()
             })),
         }
+    }
+
+    #[test]
+    fn a_large_inventory_goes_in_parts_when_the_cloud_allows_them() {
+        // 20,000 resources with long names: about 2.5 MiB listed.
+        let held: Vec<(ResourceKey, ResourceVersion)> = (0..20_000)
+            .map(|i| {
+                let name = format!("device-with-a-rather-long-name-{i:08}");
+                (
+                    ResourceKey::device("plant-floor-3", &name),
+                    ResourceVersion::new(format!("0f3a2b6c-1d4e-4f5a-8b9c-{i:012}"), 1),
+                )
+            })
+            .collect();
+        let parts = inventory(&held, true);
+        assert!(parts.len() >= 2, "{} parts", parts.len());
+        for (i, part) in parts.iter().enumerate() {
+            assert!(part.encoded_len() <= proto::MAX_BATCH_BYTES, "part {i}");
+            assert_eq!(part.more, i + 1 < parts.len(), "part {i}");
+        }
+        let listed: Vec<String> = parts
+            .iter()
+            .flat_map(|p| p.held.iter().map(|h| h.key.clone()))
+            .collect();
+        let expected: Vec<String> = held.iter().map(|(k, _)| k.to_string()).collect();
+        assert_eq!(listed, expected);
+
+        // A cloud that reads one Inventory gets one.
+        let whole = inventory(&held, false);
+        assert_eq!(whole.len(), 1);
+        assert!(!whole[0].more);
+        assert_eq!(whole[0].held.len(), held.len());
+        // Nothing held: one empty, last part.
+        assert_eq!(inventory(&[], true), [proto::Inventory::default()]);
     }
 
     #[test]

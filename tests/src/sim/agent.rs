@@ -136,7 +136,7 @@ impl Agent {
         &mut self,
         message: proto::CloudMessage,
         sabotage: Option<Sabotage>,
-    ) -> Result<Option<proto::AgentMessage>, Violation> {
+    ) -> Result<Vec<proto::AgentMessage>, Violation> {
         match self.session.received(message) {
             Step::Store {
                 mut upserts,
@@ -178,7 +178,7 @@ impl Agent {
                     self.forget(&key);
                 }
                 self.waiting = Some(reply);
-                Ok(None)
+                Ok(Vec::new())
             }
             Step::UplinkAcked {
                 mut reports,
@@ -191,14 +191,15 @@ impl Agent {
                 let out = &mut self.current;
                 out.reports.retain(|seq, _| *seq > reports);
                 out.events.retain(|seq, _| *seq > events);
-                Ok(None)
+                Ok(Vec::new())
             }
-            Step::Nothing => Ok(None),
-            Step::ListHoldings => {
+            Step::Nothing => Ok(Vec::new()),
+            Step::ListHoldings { parts } => {
                 let held: Vec<_> = self.held(false).into_iter().collect();
-                Ok(Some(wrap(agent_message::Kind::Inventory(
-                    session::inventory(&held),
-                ))))
+                Ok(session::inventory(&held, parts)
+                    .into_iter()
+                    .map(|part| wrap(agent_message::Kind::Inventory(part)))
+                    .collect())
             }
         }
     }

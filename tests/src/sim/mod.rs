@@ -380,7 +380,7 @@ impl World {
                     self.note(format!("  down {id}: {}", brief_down(&message)));
                 }
                 let sabotage = self.config.sabotage;
-                if let Some(reply) = self.agents[agent].received(message, sabotage)? {
+                for reply in self.agents[agent].received(message, sabotage)? {
                     self.net.send_up(id, reply);
                 }
                 self.send_outbox(agent);
