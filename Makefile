@@ -4,7 +4,7 @@ CARGO ?= cargo
 
 CERTS_DIR ?= .certs
 
-.PHONY: test lint crds certs controlplane up bench bench-resync bench-ingest bench-rollout bench-rules
+.PHONY: test lint crds certs controlplane up bench bench-resync bench-ingest bench-rollout bench-rules bench-auth
 
 ## Build (or reuse) the local control plane, then run every test.
 test: controlplane
@@ -66,3 +66,10 @@ bench-ingest:
 bench-rules: controlplane
 	$(CARGO) build --locked --release --bins
 	./target/release/edgefleet-rules-bench $(BENCH_ARGS)
+
+## Measure what TLS and node identity cost on the sync link: handshakes,
+## a 1,000-agent reconnect storm, bulk delivery, each against plaintext in
+## the same run (release build). Figures: docs/benchmarks.md.
+bench-auth: controlplane
+	$(CARGO) build --locked --release --bins
+	./target/release/edgefleet-auth-bench $(BENCH_ARGS)

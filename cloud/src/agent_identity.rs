@@ -14,8 +14,8 @@
 //! Verdicts are cached for [`REVIEW_TTL`], keyed by the token's SHA-256, so
 //! a reconnecting fleet costs one review per agent; a deleted pod's token
 //! is refused at the latest that long after. At most [`MAX_REVIEWS`] reviews
-//! run at once: an unauthenticated flood of made-up tokens is refused, not
-//! passed on to the API server without bound.
+//! run at once and the rest wait their turn up to [`REVIEW_WAIT`]: a flood
+//! of made-up tokens reaches the API server at that pace, not all at once.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -38,6 +38,11 @@ pub const REVIEW_TTL: Duration = Duration::from_secs(10);
 
 /// Token reviews in flight at most.
 pub const MAX_REVIEWS: usize = 32;
+
+/// How long a connection waits for its turn to be reviewed before it is
+/// refused as busy (a reconnect storm queues; the queue is bounded by the
+/// open streams, see `sync::admission`).
+pub const REVIEW_WAIT: Duration = Duration::from_secs(10);
 
 /// Longest bearer token taken (projected tokens are about 1 KiB).
 pub const MAX_TOKEN_BYTES: usize = 8 * 1024;
@@ -229,7 +234,8 @@ impl TokenReviews {
         if let Some(verdict) = self.verdicts.get(&key).await {
             return Ok(verdict);
         }
-        let Ok(_permit) = self.in_flight.try_acquire() else {
+        let Ok(Ok(_permit)) = tokio::time::timeout(REVIEW_WAIT, self.in_flight.acquire()).await
+        else {
             return Ok(Err(Refusal::Busy));
         };
         // Concurrent connections with the same token share one review.

@@ -25,6 +25,25 @@ impl Report {
     }
 }
 
+/// p50, p99 and max of `samples`, in ms.
+pub fn quantiles(samples: &mut [Duration]) -> String {
+    if samples.is_empty() {
+        return "no samples".into();
+    }
+    samples.sort();
+    let at = |q: f64| {
+        let i = ((samples.len() as f64 - 1.0) * q).round() as usize;
+        samples[i].as_secs_f64() * 1000.0
+    };
+    format!(
+        "p50 {:.2} ms  p99 {:.2} ms  max {:.2} ms  (n={})",
+        at(0.5),
+        at(0.99),
+        at(1.0),
+        samples.len()
+    )
+}
+
 /// Polls until there are `count` Devices and each applied its current
 /// generation; fails after `patience`.
 pub async fn wait_all_applied(

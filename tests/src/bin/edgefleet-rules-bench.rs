@@ -23,7 +23,7 @@ use edgefleet_agent::store::{Desired, DesiredDevice, HeldRule, Store};
 use edgefleet_shared::api::{Device, Transport};
 use edgefleet_shared::codec::DeviceReport;
 use edgefleet_shared::{PropertyValue, ResourceKey, ResourceVersion, proto};
-use edgefleet_tests::bench::Report;
+use edgefleet_tests::bench::{Report, quantiles};
 use edgefleet_tests::rule_site::{Site, overheat_rule};
 use kube::Api;
 use kube::api::{Patch, PatchParams};
@@ -192,22 +192,6 @@ async fn evaluations(cli: &Cli, report: &mut Report) -> anyhow::Result<()> {
         loaded - before
     ));
     Ok(())
-}
-
-/// p50, p99 and max of `samples`, in ms.
-fn quantiles(samples: &mut [Duration]) -> String {
-    samples.sort();
-    let at = |q: f64| {
-        let i = ((samples.len() as f64 - 1.0) * q).round() as usize;
-        samples[i].as_secs_f64() * 1000.0
-    };
-    format!(
-        "p50 {:.1} ms  p99 {:.1} ms  max {:.1} ms  (n={})",
-        at(0.5),
-        at(0.99),
-        at(1.0),
-        samples.len()
-    )
 }
 
 async fn latency(cli: &Cli, report: &mut Report) -> anyhow::Result<()> {
