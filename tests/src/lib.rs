@@ -183,6 +183,23 @@ pub fn in_process_controller(
     }
 }
 
+/// An in-process agent's sync settings for `node` dialing `cloud`:
+/// plaintext, no token, default heartbeats; callers set what they test.
+pub fn agent_sync_settings(cloud: String, node: &str) -> edgefleet_agent::sync::SyncSettings {
+    edgefleet_agent::sync::SyncSettings {
+        cloud,
+        tls: None,
+        token_file: None,
+        node: node.to_owned(),
+        agent_version: "test".into(),
+        boot_id: format!("boot-{node}"),
+        heartbeat: Default::default(),
+        silent_cloud: Default::default(),
+        bytes: Default::default(),
+        liveness: Default::default(),
+    }
+}
+
 pub async fn test_namespace(client: &Client, hint: &str) -> String {
     static NEXT: AtomicU32 = AtomicU32::new(0);
     let sanitized: String = hint

@@ -14,7 +14,9 @@ use edgefleet_cloud::run::{Controller, Settings};
 use edgefleet_shared::api::{Device, DeviceSpec, EdgeNode, Transport};
 use edgefleet_shared::{ResourceKey, proto};
 use edgefleet_tests::agent_tokens::{ACCOUNT, AUDIENCE, AgentPod, token};
-use edgefleet_tests::{control_plane, eventually, in_process_controller, test_namespace};
+use edgefleet_tests::{
+    agent_sync_settings, control_plane, eventually, in_process_controller, test_namespace,
+};
 use k8s_openapi::api::authentication::v1::BoundObjectReference;
 use kube::api::PostParams;
 use kube::{Api, Client};
@@ -251,16 +253,8 @@ async fn a_deleted_pods_token_stops_working_and_the_next_pods_token_is_read_from
     elsewhere.write_token(&token_file).unwrap();
     let store = Store::open(&dir.path().join("store")).unwrap().store;
     let settings = SyncSettings {
-        cloud: format!("http://{}", site.controller.sync_addr),
-        tls: None,
         token_file: Some(token_file.clone()),
-        node: node.clone(),
-        agent_version: "test".into(),
-        boot_id: "boot".into(),
-        heartbeat: Default::default(),
-        silent_cloud: Default::default(),
-        bytes: Default::default(),
-        liveness: Default::default(),
+        ..agent_sync_settings(format!("http://{}", site.controller.sync_addr), &node)
     };
     let agent = tokio::spawn(sync::run(settings, store.clone()));
     eventually("the agent with another node's token is refused", || async {

@@ -8,7 +8,7 @@ use std::num::NonZeroU32;
 use std::time::Duration;
 
 use edgefleet_agent::store::Store;
-use edgefleet_agent::sync::{self, SyncSettings};
+use edgefleet_agent::sync;
 use edgefleet_cloud::run::{Controller, Settings};
 use edgefleet_shared::api::{Device, DevicePhase, DeviceSpec, EdgeNode, Transport};
 use edgefleet_shared::codec::{DeviceEvent, DeviceReport};
@@ -82,18 +82,8 @@ impl Setup {
 }
 
 fn start_agent(controller: &Controller, node: &str, store: &Store) -> tokio::task::JoinHandle<()> {
-    let settings = SyncSettings {
-        cloud: format!("http://{}", controller.sync_addr),
-        tls: None,
-        token_file: None,
-        node: node.to_owned(),
-        agent_version: "test".into(),
-        boot_id: format!("boot-{node}"),
-        heartbeat: Default::default(),
-        silent_cloud: Default::default(),
-        bytes: Default::default(),
-        liveness: Default::default(),
-    };
+    let settings =
+        edgefleet_tests::agent_sync_settings(format!("http://{}", controller.sync_addr), node);
     tokio::spawn(sync::run(settings, store.clone()))
 }
 

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use edgefleet_tests::agent_tokens::{self, AgentPod};
 use edgefleet_tests::certs;
 use edgefleet_tests::process::{Process, free_tcp_addr, http_get, metric};
-use edgefleet_tests::{control_plane, eventually_within, test_namespace};
+use edgefleet_tests::{agent_sync_settings, control_plane, eventually_within, test_namespace};
 use rustls::pki_types::ServerName;
 use rustls::pki_types::pem::PemObject;
 use tokio::net::TcpSocket;
@@ -185,19 +185,12 @@ async fn ten_thousand_unauthenticated_connections_are_bounded_then_closed_and_ag
         .unwrap()
         .store;
     let settings = edgefleet_agent::sync::SyncSettings {
-        cloud: format!("https://{sync}"),
         tls: Some(edgefleet_agent::sync::CloudTls {
             ca_file: lab.ca_file(),
             server_name: None,
         }),
         token_file: Some(token_file),
-        node,
-        agent_version: "test".into(),
-        boot_id: "boot".into(),
-        heartbeat: Default::default(),
-        silent_cloud: Default::default(),
-        bytes: Default::default(),
-        liveness: Default::default(),
+        ..agent_sync_settings(format!("https://{sync}"), &node)
     };
     let agent = tokio::spawn(edgefleet_agent::sync::run(settings, store));
     eventually_within(Duration::from_secs(60), "the agent is served", || async {

@@ -59,19 +59,14 @@ impl Site {
     fn agent(&self, node: &str, ca: &LabCa) -> (Store, tokio::task::JoinHandle<()>) {
         let store = Store::open(&self.dir.path().join(node)).unwrap().store;
         let settings = SyncSettings {
-            cloud: format!("https://{}", self.controller.sync_addr),
-            token_file: None,
             tls: Some(CloudTls {
                 ca_file: ca.ca_file(),
                 server_name: None,
             }),
-            node: node.to_owned(),
-            agent_version: "test".into(),
-            boot_id: format!("boot-{node}"),
-            heartbeat: Default::default(),
-            silent_cloud: Default::default(),
-            bytes: Default::default(),
-            liveness: Default::default(),
+            ..edgefleet_tests::agent_sync_settings(
+                format!("https://{}", self.controller.sync_addr),
+                node,
+            )
         };
         (store.clone(), tokio::spawn(sync::run(settings, store)))
     }

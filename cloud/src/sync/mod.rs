@@ -253,18 +253,7 @@ impl proto::sync_server::Sync for SyncService {
     ) -> Result<Response<Self::StreamStream>, Status> {
         // A place among the open streams before anything else is read.
         let peer = Peer::of(&request).cloned();
-        let place = match &peer {
-            Some(peer) => Some(self.admission.stream(peer.remote.ip()).map_err(|bound| {
-                let label = match bound {
-                    Bound::Total => "too_many_streams",
-                    Bound::PerAddress => "too_many_streams_from_address",
-                };
-                self.metrics.refused.inc(label);
-                tracing::info!(remote = %peer.remote, label, "sync stream refused");
-                Status::resource_exhausted(format!("{label}: try again later"))
-            })?),
-            None => None,
-        };
+        let place = self.place_for(peer.as_ref())?;
         let authenticated = self.authenticate(request.metadata()).await?;
         if let Some(peer) = &peer {
             peer.authenticated();
@@ -339,6 +328,24 @@ impl proto::sync_server::Sync for SyncService {
 }
 
 impl SyncService {
+    /// A place among the open streams for a stream from `peer` (`None`
+    /// when the connection was not admitted here, as in unit tests).
+    fn place_for(&self, peer: Option<&Peer>) -> Result<Option<Place>, Status> {
+        let Some(peer) = peer else {
+            return Ok(None);
+        };
+        let place = self.admission.stream(peer.remote.ip()).map_err(|bound| {
+            let label = match bound {
+                Bound::Total => "too_many_streams",
+                Bound::PerAddress => "too_many_streams_from_address",
+            };
+            self.metrics.refused.inc(label);
+            tracing::info!(remote = %peer.remote, label, "sync stream refused");
+            Status::resource_exhausted(format!("{label}: try again later"))
+        })?;
+        Ok(Some(place))
+    }
+
     /// The node the stream's token is bound to (`None` when Hellos are
     /// believed), counted by outcome.
     async fn authenticate(&self, metadata: &MetadataMap) -> Result<Option<String>, Status> {
