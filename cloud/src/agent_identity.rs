@@ -257,6 +257,37 @@ impl TokenReviews {
     }
 }
 
+impl TokenReviews {
+    /// Reviews `token` again every `every` while a session of `node` runs;
+    /// returns why once it is refused (a deleted pod, an expired token).
+    /// A review that cannot be made, or has to wait, is no verdict.
+    pub async fn revoked(&self, token: &str, node: &str, every: Duration) -> Refusal {
+        loop {
+            tokio::time::sleep(every).await;
+            match self.node(token).await {
+                Ok(Ok(reviewed)) if reviewed == node => {}
+                Ok(Ok(other)) => {
+                    return Refusal::Invalid(format!("the token now names node {other}"));
+                }
+                Ok(Err(Refusal::Busy)) | Err(_) => {}
+                Ok(Err(refusal)) => return refusal,
+            }
+        }
+    }
+}
+
+/// A stream's proof of its node, kept to check again while its session
+/// runs.
+#[derive(Clone, Debug)]
+pub struct Authenticated {
+    /// The node the token is bound to.
+    pub node: String,
+    /// The token.
+    pub token: String,
+    /// Who reviews it.
+    pub reviews: Arc<TokenReviews>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

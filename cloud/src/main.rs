@@ -193,6 +193,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             dir,
             reload_every: std::time::Duration::from_secs(2),
         }),
+        token_recheck: edgefleet_cloud::sync::TOKEN_RECHECK,
         limits: Limits {
             max_connections: args.max_connections,
             max_streams: args.max_connections,

@@ -62,6 +62,8 @@ pub struct Settings {
     pub agent_auth: crate::agent_identity::AuthSettings,
     /// Bounds on connections and streams.
     pub limits: crate::sync::admission::Limits,
+    /// How often a running session's token is reviewed again.
+    pub token_recheck: std::time::Duration,
 }
 
 /// A running controller.
@@ -211,7 +213,8 @@ impl Controller {
             device_events,
             metrics: Arc::clone(&sync_metrics),
         })
-        .with_heartbeat(beat);
+        .with_heartbeat(beat)
+        .with_token_recheck(settings.token_recheck);
         // Dead connections close below the heartbeat rule too: HTTP/2 PINGs
         // and TCP keepalive (set on the incoming connections: tonic ignores
         // the builder's TCP settings with serve_with_incoming).

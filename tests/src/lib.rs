@@ -180,6 +180,7 @@ pub fn in_process_controller(
         tls: None,
         agent_auth: edgefleet_cloud::agent_identity::AuthSettings::TrustHello,
         limits: Default::default(),
+        token_recheck: edgefleet_cloud::sync::TOKEN_RECHECK,
     }
 }
 

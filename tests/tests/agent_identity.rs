@@ -29,6 +29,11 @@ struct Site {
 
 impl Site {
     async fn start(hint: &str) -> Site {
+        Self::start_with(hint, edgefleet_cloud::sync::TOKEN_RECHECK).await
+    }
+
+    /// With running sessions' tokens reviewed again every `token_recheck`.
+    async fn start_with(hint: &str, token_recheck: Duration) -> Site {
         let client = control_plane().client().await;
         let ns = test_namespace(&client, hint).await;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -39,6 +44,7 @@ impl Site {
                     namespace: ns.clone(),
                     name: ACCOUNT.into(),
                 },
+                token_recheck,
                 ..in_process_controller(listener, &ns)
             },
         )
@@ -58,6 +64,15 @@ impl Site {
         token: Option<&str>,
         node: &str,
     ) -> Result<proto::CloudMessage, tonic::Status> {
+        self.session(token, node).await.map(|(first, _)| first)
+    }
+
+    /// [`Site::open`], keeping the stream open.
+    async fn session(
+        &self,
+        token: Option<&str>,
+        node: &str,
+    ) -> Result<(proto::CloudMessage, tonic::Streaming<proto::CloudMessage>), tonic::Status> {
         let mut client = proto::sync_client::SyncClient::connect(format!(
             "http://{}",
             self.controller.sync_addr
@@ -88,7 +103,7 @@ impl Site {
         let first = tokio::time::timeout(edgefleet_tests::PATIENCE, inbound.message())
             .await
             .expect("the cloud said nothing")?;
-        Ok(first.expect("the stream ended at once"))
+        Ok((first.expect("the stream ended at once"), inbound))
     }
 
     fn authentications(&self, outcome: &str) -> u64 {
@@ -308,4 +323,40 @@ async fn a_deleted_pods_token_stops_working_and_the_next_pods_token_is_read_from
     site.open(Some(&next.token), &node)
         .await
         .expect("the new pod's token is served");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_session_ends_once_its_pods_token_no_longer_holds() {
+    let recheck = Duration::from_secs(1);
+    let site = Site::start_with("identity-revoked", recheck).await;
+    let node = node_name("edge-id-revoked");
+    let pod = AgentPod::on(&site.client, &site.ns, &node).await.unwrap();
+    let (_, mut stream) = site.session(Some(&pod.token), &node).await.unwrap();
+
+    // While the pod exists the session stays (heartbeats keep coming).
+    tokio::time::sleep(3 * recheck).await;
+    assert_eq!(site.authentications("revoked"), 0);
+
+    pod.delete(&site.client).await.unwrap();
+    let deleted_at = std::time::Instant::now();
+    let ended = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            match stream.message().await {
+                Ok(Some(_)) => continue,
+                other => return other,
+            }
+        }
+    })
+    .await
+    .expect("the session outlived its pod by a minute");
+    println!(
+        "the session ended {:?} after its pod was deleted: {ended:?}",
+        deleted_at.elapsed()
+    );
+    assert!(
+        deleted_at.elapsed() < REVIEW_TTL + recheck + Duration::from_secs(10),
+        "ended only after {:?}",
+        deleted_at.elapsed()
+    );
+    assert_eq!(site.authentications("revoked"), 1);
 }

@@ -29,7 +29,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::agent_identity::{self, AgentAuth};
+use crate::agent_identity::{self, AgentAuth, Authenticated, Refusal};
 use crate::agents::{Agents, delivered_to};
 use crate::device_events::DeviceEvents;
 use crate::edge_node::NodeStatus;
@@ -45,6 +45,10 @@ pub use session::{
     Accepted, Effect, Holdings, MAX_RESOURCES_PER_UPDATE, Opening, Session, SessionError,
     UplinkMarks, UplinkWatermark,
 };
+
+/// How often a running session's token is reviewed again by default
+/// (answered from the review cache within its life).
+pub const TOKEN_RECHECK: Duration = Duration::from_secs(60);
 
 /// How often the cloud sends a heartbeat by default.
 pub const HEARTBEAT_INTERVAL: Duration = Heartbeat::DEFAULT.interval;
@@ -150,6 +154,7 @@ pub struct SyncService {
     metrics: Arc<SyncMetrics>,
     auth: AgentAuth,
     admission: Arc<Admission>,
+    token_recheck: Duration,
     sessions: Arc<AtomicU64>,
     heartbeat: Heartbeat,
 }
@@ -208,8 +213,18 @@ impl SyncService {
             metrics,
             auth,
             admission,
+            token_recheck: TOKEN_RECHECK,
             sessions: Arc::default(),
             heartbeat: Heartbeat::default(),
+        }
+    }
+
+    /// Reviews the token of each running session again every `every`
+    /// (default [`TOKEN_RECHECK`]).
+    pub fn with_token_recheck(self, every: Duration) -> Self {
+        SyncService {
+            token_recheck: every,
+            ..self
         }
     }
 
@@ -286,8 +301,8 @@ impl proto::sync_server::Sync for SyncService {
                 hello.node
             )));
         }
-        if let Some(node) = authenticated
-            && node != hello.node
+        if let Some(Authenticated { node, .. }) = &authenticated
+            && *node != hello.node
         {
             self.metrics.authentications.inc("node_mismatch");
             tracing::warn!(authenticated = %node, claimed = %hello.node, "an agent claimed another node than its token's: refused");
@@ -321,6 +336,8 @@ impl proto::sync_server::Sync for SyncService {
             metrics: Arc::clone(&self.metrics),
             heartbeat: self.heartbeat,
             _place: place,
+            identity: authenticated,
+            token_recheck: self.token_recheck,
         };
         tokio::spawn(session.run(opening, hello, inbound, tx, node_status));
         Ok(Response::new(ReceiverStream::new(rx)))
@@ -348,7 +365,7 @@ impl SyncService {
 
     /// The node the stream's token is bound to (`None` when Hellos are
     /// believed), counted by outcome.
-    async fn authenticate(&self, metadata: &MetadataMap) -> Result<Option<String>, Status> {
+    async fn authenticate(&self, metadata: &MetadataMap) -> Result<Option<Authenticated>, Status> {
         let reviews = match &self.auth {
             AgentAuth::TrustHello => {
                 self.metrics.authentications.inc("trusted_hello");
@@ -359,16 +376,24 @@ impl SyncService {
         let header = metadata.get("authorization").map(|value| value.as_bytes());
         let verdict = match agent_identity::bearer(header) {
             Err(refusal) => Err(refusal),
-            Ok(token) => reviews.node(token).await.map_err(|failed| {
-                self.metrics.authentications.inc("review_failed");
-                tracing::warn!(%failed, "could not review an agent's token");
-                Status::unavailable(failed.to_string())
-            })?,
+            Ok(token) => reviews
+                .node(token)
+                .await
+                .map_err(|failed| {
+                    self.metrics.authentications.inc("review_failed");
+                    tracing::warn!(%failed, "could not review an agent's token");
+                    Status::unavailable(failed.to_string())
+                })?
+                .map(|node| Authenticated {
+                    node,
+                    token: token.to_owned(),
+                    reviews: Arc::clone(reviews),
+                }),
         };
         match verdict {
-            Ok(node) => {
+            Ok(authenticated) => {
                 self.metrics.authentications.inc("token");
-                Ok(Some(node))
+                Ok(Some(authenticated))
             }
             Err(refusal) => {
                 self.metrics.authentications.inc(refusal.label());
@@ -411,6 +436,9 @@ struct Driver {
     heartbeat: Heartbeat,
     // Its place among the open streams, given back when it ends.
     _place: Option<Place>,
+    // The token it was let in with, reviewed again every `token_recheck`.
+    identity: Option<Authenticated>,
+    token_recheck: Duration,
 }
 
 /// Why a driven session ended.
@@ -428,6 +456,8 @@ enum Ended {
     IndexClosed,
     #[error("agent silent for {0:?}")]
     Silent(Duration),
+    #[error("its token no longer holds: {0}")]
+    Revoked(Refusal),
 }
 
 impl Driver {
@@ -459,6 +489,8 @@ impl Driver {
         let (mut session, effects) = Session::open(&self.node, &self.store_id, slice, known);
         session.set_uplink_flows(hello.uplink_flows);
         let (metrics, node) = (Arc::clone(&self.metrics), self.node.clone());
+        // A deleted pod's token ends its session too.
+        let (identity, recheck) = (self.identity.take(), self.token_recheck);
         let talk = async {
             self.carry_out(effects, &tx, &done_tx, &figures).await?;
             loop {
@@ -513,9 +545,21 @@ impl Driver {
             );
             Err::<(), _>(Ended::Silent(silent))
         };
+        let revoked = async {
+            let Some(identity) = &identity else {
+                return std::future::pending().await;
+            };
+            let refusal = identity
+                .reviews
+                .revoked(&identity.token, &identity.node, recheck)
+                .await;
+            metrics.authentications.inc("revoked");
+            Err::<(), _>(Ended::Revoked(refusal))
+        };
         let result: Result<(), Ended> = tokio::select! {
             ended = talk => ended,
             ended = silent => ended,
+            ended = revoked => ended,
         };
         self.metrics.streams.dec();
         self.agents.disconnected(&self.node, self.id);
