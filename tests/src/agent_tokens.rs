@@ -80,7 +80,7 @@ impl AgentPod {
             name: Some(name.clone()),
             uid: Some(uid),
         };
-        let token = token(client, namespace, account, Some(bound), audience).await?;
+        let token = request_token(client, namespace, account, Some(bound), audience).await?;
         Ok(AgentPod {
             name,
             namespace: namespace.to_owned(),
@@ -121,6 +121,17 @@ pub async fn token(
     audience: &str,
 ) -> anyhow::Result<String> {
     ensure_account(client, namespace, account).await?;
+    request_token(client, namespace, account, bound, audience).await
+}
+
+/// [`token`] of an account that exists.
+async fn request_token(
+    client: &Client,
+    namespace: &str,
+    account: &str,
+    bound: Option<BoundObjectReference>,
+    audience: &str,
+) -> anyhow::Result<String> {
     let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), namespace);
     let request = TokenRequest {
         spec: Some(TokenRequestSpec {
@@ -141,20 +152,5 @@ pub async fn token(
 
 async fn ensure_account(client: &Client, namespace: &str, account: &str) -> anyhow::Result<()> {
     let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), namespace);
-    if accounts.get_opt(account).await?.is_none() {
-        let sa = ServiceAccount {
-            metadata: ObjectMeta {
-                name: Some(account.to_owned()),
-                ..Default::default()
-            },
-            ..Default::default()
-        };
-        match accounts.create(&PostParams::default(), &sa).await {
-            Ok(_) => {}
-            // Another test of the namespace made it meanwhile.
-            Err(kube::Error::Api(e)) if e.code == 409 => {}
-            Err(e) => return Err(e.into()),
-        }
-    }
-    Ok(())
+    crate::ensure_exists(&accounts, account).await
 }

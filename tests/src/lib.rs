@@ -184,6 +184,25 @@ pub fn in_process_controller(
     }
 }
 
+/// Creates the object `name` of `api` with nothing but its name, unless it
+/// exists (also when another test made it meanwhile).
+pub async fn ensure_exists<K>(api: &Api<K>, name: &str) -> anyhow::Result<()>
+where
+    K: kube::Resource + Default + Clone + std::fmt::Debug,
+    K: serde::Serialize + serde::de::DeserializeOwned,
+{
+    if api.get_opt(name).await?.is_some() {
+        return Ok(());
+    }
+    let mut object = K::default();
+    object.meta_mut().name = Some(name.to_owned());
+    match api.create(&kube::api::PostParams::default(), &object).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// An in-process agent's sync settings for `node` dialing `cloud`:
 /// plaintext, no token, default heartbeats; callers set what they test.
 pub fn agent_sync_settings(cloud: String, node: &str) -> edgefleet_agent::sync::SyncSettings {

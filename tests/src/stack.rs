@@ -11,7 +11,7 @@ use anyhow::{Context, bail};
 use edgefleet_shared::api::Device;
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Namespace;
-use kube::api::{ObjectMeta, Patch, PatchParams, PostParams};
+use kube::api::{Patch, PatchParams};
 use kube::{Api, Client};
 
 use crate::agent_tokens::{self, AgentPod};
@@ -401,18 +401,7 @@ fn start_agent(dir: &Path, node: &str, args: &[String], restart: u32) -> anyhow:
 
 /// Creates `namespace` unless it exists.
 pub async fn ensure_namespace(client: &Client, namespace: &str) -> anyhow::Result<()> {
-    let api: Api<Namespace> = Api::all(client.clone());
-    if api.get_opt(namespace).await?.is_none() {
-        let ns = Namespace {
-            metadata: ObjectMeta {
-                name: Some(namespace.to_owned()),
-                ..Default::default()
-            },
-            ..Default::default()
-        };
-        api.create(&PostParams::default(), &ns).await?;
-    }
-    Ok(())
+    crate::ensure_exists(&Api::<Namespace>::all(client.clone()), namespace).await
 }
 
 async fn wait_http(addr: SocketAddr, path: &str, what: &str) -> anyhow::Result<()> {

@@ -18,7 +18,6 @@
 //!   (reports, events), so a status write never waits for the Events
 //!   before it, and for both flows together, for agents that know no flows.
 
-use prost::Message;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use edgefleet_shared::PropertyValue;
@@ -30,6 +29,7 @@ use edgefleet_shared::proto::{self, Flow, agent_message, cloud_message, uplink_e
 use edgefleet_shared::{ResourceKey, ResourceVersion};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
+use prost::Message;
 
 use crate::device_events::{DeviceEvent, DroppedNotice};
 use crate::index::{NodeSlice, difference};

@@ -10,7 +10,6 @@
 //! the reply is an Ack, or a Nack naming only the resources refused —
 //! everything else in that Update is stored all the same.
 
-use prost::Message;
 use std::collections::{BTreeMap, VecDeque};
 
 use edgefleet_shared::api::Transport;
@@ -20,6 +19,7 @@ use edgefleet_shared::holdings::HoldingsDigest;
 use edgefleet_shared::key::ResourceKind;
 use edgefleet_shared::proto::{self, Flow, agent_message, cloud_message, resource, uplink_entry};
 use edgefleet_shared::{PropertyValue, ResourceKey, ResourceVersion};
+use prost::Message;
 
 use crate::store::{Desired, DesiredDevice, HeldRule, PendingUplink};
 
