@@ -7,7 +7,8 @@
 //! with its pod's token is served afterwards.
 //!
 //! The connections come from 157 loopback addresses (127.0.1.x), 64 each,
-//! as from many hosts.
+//! as from many hosts; those that failed in the rush are retried one at a
+//! time from 127.0.2.x until the bound in all is reached.
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -130,8 +131,46 @@ async fn ten_thousand_unauthenticated_connections_are_bounded_then_closed_and_ag
     while let Some(done) = tasks.join_next().await {
         held.extend(done.unwrap());
     }
+    // In the rush some attempts fail without meeting the bound in all (a
+    // handshake beyond the 256 at once, a full accept queue): fill up to
+    // the bound one at a time, from further addresses, as agents retry.
+    let mut next = 0;
+    while held.len() < CONNECTIONS && next < 10 * PER_ADDRESS {
+        let from: IpAddr = format!("127.0.2.{}", 1 + next / PER_ADDRESS)
+            .parse()
+            .unwrap();
+        held.extend(idle_tls(from, sync, connector.clone()).await);
+        next += 1;
+    }
     let opened_in = started.elapsed();
     cloud.assert_running();
+    assert_eq!(held.len(), CONNECTIONS);
+    // The server counts a handshake once the client's Finished is in, a
+    // moment after the client is done.
+    eventually_within(
+        Duration::from_secs(30),
+        "the controller counted every handshake",
+        || async {
+            (sync_metric(metrics, "connections", "tls").await as usize >= CONNECTIONS).then_some(())
+        },
+    )
+    .await;
+    // At the bound, one more is closed at once and counted.
+    let over_before = sync_metric(metrics, "connections", "too_many_connections").await;
+    let beyond = idle_tls("127.0.3.1".parse().unwrap(), sync, connector.clone()).await;
+    assert!(
+        beyond.is_none(),
+        "a connection beyond the bound in all was let in"
+    );
+    eventually_within(
+        Duration::from_secs(10),
+        "the refusal is counted",
+        || async {
+            (sync_metric(metrics, "connections", "too_many_connections").await == over_before + 1.0)
+                .then_some(())
+        },
+    )
+    .await;
     let rss_held = cloud.rss_bytes().unwrap();
     let tls = sync_metric(metrics, "connections", "tls").await;
     let over_total = sync_metric(metrics, "connections", "too_many_connections").await;
@@ -145,15 +184,7 @@ async fn ten_thousand_unauthenticated_connections_are_bounded_then_closed_and_ag
         per_connection / 1024.0
     );
     assert_eq!(tls as usize, CONNECTIONS);
-    assert_eq!(held.len(), CONNECTIONS);
-    // The rest were closed at once, counted; a few of them may never have
-    // reached the controller, dropped by the kernel when the accept queue
-    // overflowed in the rush.
-    let over = ADDRESSES * PER_ADDRESS - CONNECTIONS;
-    assert!(
-        (1..=over).contains(&(over_total as usize)),
-        "{over_total} refused over the bound in all"
-    );
+    assert!(over_total >= 1.0);
     assert_eq!(over_address, 1.0);
     // What an unauthenticated connection costs: its socket, TLS state and
     // HTTP/2 connection, nothing it can grow.
