@@ -290,6 +290,7 @@ pub(crate) mod tests {
                 transport: Transport::Coap,
                 desired: Default::default(),
                 firmware: None,
+                retry: 0,
             },
         );
         d.metadata.namespace = Some(ns.into());

@@ -394,7 +394,15 @@ impl Context {
                         .or_else(|| node(&d.spec.node)?.labels().get(key).cloned())
                 });
                 let (state, class) = rollout_member::state(d, rollout, now);
-                let changed = matches!(record(d), Some(Ok(r)) if r.uid == uid && !r.rolled_back);
+                let ours = match record(d) {
+                    Some(Ok(r)) if r.uid == uid && !r.rolled_back => Some(r),
+                    _ => None,
+                };
+                let changed = ours.is_some();
+                let retry = state == MemberState::Failed
+                    && ours.as_ref().is_some_and(|r| {
+                        rollout_member::retryable(class, r.attempt, spec.failure_policy.retries)
+                    });
                 let generation = d.metadata.generation.unwrap_or(0);
                 let settled = d
                     .status
@@ -416,6 +424,7 @@ impl Context {
                                 .as_ref()
                                 .is_some_and(|c| c.0 > s.0)
                         }),
+                    retry,
                 }
             })
             .collect();
@@ -524,11 +533,18 @@ impl Context {
         now: Timestamp,
     ) -> Result<(), Error> {
         let now_ms = now.as_millisecond();
+        // A start is a member's first change, or a retry of a change that
+        // failed.
         let starts = step.start.iter().filter_map(|&i| {
-            Some((
-                i,
-                rollout_member::change(&members.devices[i], rollout, now_ms)?,
-            ))
+            let device = &members.devices[i];
+            let input = &members.inputs[i];
+            let patch = match (record(device), input.class) {
+                (Some(Ok(r)), Some(class)) if input.retry => {
+                    rollout_member::retry(device, &r, class, now_ms)
+                }
+                _ => rollout_member::change(device, rollout, now_ms)?,
+            };
+            Some((i, patch))
         });
         let undos = step.roll_back.iter().filter_map(|&i| {
             let device = &members.devices[i];
@@ -591,7 +607,11 @@ impl Context {
             if input.state == MemberState::Pending {
                 continue;
             }
-            let part = member_part(rollout.name_any(), revision, input);
+            let ours = match record(device) {
+                Some(Ok(r)) if rollout.uid().as_ref() == Some(&r.uid) => Some(r),
+                _ => None,
+            };
+            let part = member_part(rollout.name_any(), revision, input, ours.as_ref());
             let shown = device.status.as_ref().and_then(|s| s.rollout.as_ref());
             if shown == Some(&part) {
                 continue;
@@ -650,8 +670,14 @@ impl Context {
     }
 }
 
-/// A member's part as its Device's status shows it.
-fn member_part(name: String, revision: i64, m: &MemberInput) -> DeviceRolloutStatus {
+/// A member's part as its Device's status shows it; `record` is the
+/// rollout's record on the Device, if it changed it.
+fn member_part(
+    name: String,
+    revision: i64,
+    m: &MemberInput,
+    record: Option<&rollout_member::Record>,
+) -> DeviceRolloutStatus {
     let state = match m.state {
         s if m.away_ms.is_some() && !s.done() => "Unreachable",
         MemberState::Pending => "Pending",
@@ -662,11 +688,13 @@ fn member_part(name: String, revision: i64, m: &MemberInput) -> DeviceRolloutSta
         MemberState::RolledBack => "RolledBack",
         MemberState::Skipped => "Skipped",
     };
+    let failure = m.class.or_else(|| record?.last_failure);
     DeviceRolloutStatus {
         name,
         revision,
         state: state.to_owned(),
-        failure: m.class.map(|c| format!("{c:?}")),
+        attempt: record.map_or(0, |r| r.attempt),
+        failure: failure.map(|c| format!("{c:?}")),
     }
 }
 

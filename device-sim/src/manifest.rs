@@ -28,6 +28,7 @@ pub fn device(namespace: &str, slot: &DeviceSlot) -> Device {
             transport: slot.transport,
             desired: slot.model.default_desired(),
             firmware: None,
+            retry: 0,
         },
     );
     device.metadata.namespace = Some(namespace.to_owned());

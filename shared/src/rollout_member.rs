@@ -53,9 +53,20 @@ pub struct Record {
     pub site: Option<SiteThreshold>,
     /// What the change replaced.
     pub previous: Previous,
+    /// Which attempt at the change this is: 1, then one more for each
+    /// retry (see [`retry`]).
+    #[serde(default = "first_attempt")]
+    pub attempt: u32,
+    /// Why the attempt before this one failed, if there was one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_failure: Option<FailureClass>,
     /// The change was undone.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub rolled_back: bool,
+}
+
+fn first_attempt() -> u32 {
+    1
 }
 
 /// A rollout's per-site failure threshold, as its records carry it.
@@ -239,6 +250,8 @@ pub fn change(device: &Device, rollout: &FleetRollout, now_ms: i64) -> Option<Va
         }),
         site: SiteThreshold::of(rollout),
         previous,
+        attempt: 1,
+        last_failure: None,
         rolled_back: false,
     };
     let mut spec = json!({});
@@ -252,6 +265,37 @@ pub fn change(device: &Device, rollout: &FleetRollout, now_ms: i64) -> Option<Va
         "metadata": { "annotations": { RECORD_ANNOTATION: serde_json::to_string(&record).expect("records serialize") } },
         "spec": spec,
     }))
+}
+
+/// Whether a member that failed for `class` on attempt `attempt` is tried
+/// again under a failure policy allowing `retries`: an install that failed
+/// or timed out is, a device that failed the health gate is not (it runs
+/// the update, and it is the update that is unhealthy).
+pub fn retryable(class: Option<FailureClass>, attempt: u32, retries: u32) -> bool {
+    matches!(
+        class,
+        Some(FailureClass::InstallFailed | FailureClass::TimedOut)
+    ) && attempt <= retries
+}
+
+/// The merge patch that has `device`, changed by the rollout `record`
+/// describes and failed for `class`, try again: its spec's `retry`
+/// counter is raised (a new generation, so its agent sends the same
+/// desired state again and the device installs anew), and the record
+/// counts the attempt, keeps why the last one failed and starts the
+/// time-out over. What the change replaced stays as it was.
+pub fn retry(device: &Device, record: &Record, class: FailureClass, now_ms: i64) -> Value {
+    let again = Record {
+        changed_at_ms: now_ms,
+        generation: device.metadata.generation.map(|g| g + 1),
+        attempt: record.attempt + 1,
+        last_failure: Some(class),
+        ..record.clone()
+    };
+    json!({
+        "metadata": { "annotations": { RECORD_ANNOTATION: serde_json::to_string(&again).expect("records serialize") } },
+        "spec": { "retry": device.spec.retry + 1 },
+    })
 }
 
 /// The merge patch that puts back what `record` says a rollout replaced,
@@ -388,6 +432,7 @@ mod tests {
                 transport: Transport::Coap,
                 desired: BTreeMap::from([("setpoint".to_owned(), PropertyValue::Float(21.0))]),
                 firmware: Some(firmware("1.0.0")),
+                retry: 0,
             },
         );
         d.metadata.generation = Some(3);
@@ -593,18 +638,78 @@ mod tests {
             state(&d, &r, at(1_000 + 600_001)),
             (MemberState::Failed, Some(FailureClass::TimedOut))
         );
-        d.status.as_mut().unwrap().conditions = vec![Condition {
-            type_: condition::UPDATE_FAILED.into(),
-            status: "True".into(),
-            reason: "InstallFailed".into(),
-            message: String::new(),
-            observed_generation: Some(4),
-            last_transition_time: Time(at(3_000)),
-        }];
+        fail_install(&mut d, 4);
         assert_eq!(
             state(&d, &r, at(4_000)),
             (MemberState::Failed, Some(FailureClass::InstallFailed))
         );
+    }
+
+    #[test]
+    fn a_retry_gives_a_new_generation_a_fresh_time_out_and_keeps_what_to_put_back() {
+        let before = device();
+        let r = rollout(0);
+        let mut d = patched(&before, &change(&before, &r, 1_000).unwrap());
+        d.metadata.generation = Some(4);
+        fail_install(&mut d, 4);
+        assert_eq!(
+            state(&d, &r, at(2_000)),
+            (MemberState::Failed, Some(FailureClass::InstallFailed))
+        );
+        let first = record(&d).unwrap().unwrap();
+        assert_eq!(first.attempt, 1);
+        assert!(retryable(
+            Some(FailureClass::InstallFailed),
+            first.attempt,
+            1
+        ));
+        assert!(!retryable(
+            Some(FailureClass::InstallFailed),
+            first.attempt,
+            0
+        ));
+        assert!(!retryable(
+            Some(FailureClass::HealthFailed),
+            first.attempt,
+            5
+        ));
+
+        let again = patched(&d, &retry(&d, &first, FailureClass::InstallFailed, 700_000));
+        assert_eq!(again.spec.retry, 1, "a spec change: a new generation");
+        let mut again = again;
+        again.metadata.generation = Some(5);
+        let second = record(&again).unwrap().unwrap();
+        assert_eq!(second.attempt, 2);
+        assert_eq!(second.generation, Some(5));
+        assert_eq!(second.last_failure, Some(FailureClass::InstallFailed));
+        assert_eq!(second.previous, first.previous);
+        // The failure of generation 4 is the past; the time-out counts anew
+        // (a first attempt's would have run out at 601,000).
+        assert_eq!(
+            state(&again, &r, at(800_000)),
+            (MemberState::Updating, None)
+        );
+        assert!(!retryable(Some(FailureClass::TimedOut), second.attempt, 1));
+        // Undone, the spec is what it was but for the counter.
+        let undone = patched(&again, &undo(&second));
+        assert_eq!(
+            DeviceSpec {
+                retry: 0,
+                ..undone.spec
+            },
+            before.spec
+        );
+    }
+
+    fn fail_install(device: &mut Device, g: i64) {
+        device.status.get_or_insert_default().conditions = vec![Condition {
+            type_: condition::UPDATE_FAILED.into(),
+            status: "True".into(),
+            reason: "InstallFailed".into(),
+            message: String::new(),
+            observed_generation: Some(g),
+            last_transition_time: Time(at(1_500)),
+        }];
     }
 
     #[test]

@@ -41,6 +41,10 @@ pub struct MemberInput {
     pub inconclusive: bool,
     /// It joined after the rollout started (Dynamic membership).
     pub late: bool,
+    /// It failed, and is to be tried again
+    /// ([`crate::rollout_member::retryable`]): the plan sees it pending,
+    /// so a retry waits for a place within the limits like a first start.
+    pub retry: bool,
 }
 
 /// A condition as a step wants it; the caller keeps transition times.
@@ -287,6 +291,9 @@ pub fn step(spec: &FleetRolloutSpec, members: &[MemberInput]) -> Step {
 fn view(spec: &FleetRolloutSpec, m: &MemberInput) -> Member {
     let reachable = m.away_ms.is_none();
     let mut state = m.state;
+    if m.retry && state == MemberState::Failed && reachable {
+        state = MemberState::Pending;
+    }
     // Not heard from because its node is away is not a failure.
     if !reachable && m.class == Some(FailureClass::TimedOut) {
         state = MemberState::Updating;
@@ -394,8 +401,10 @@ fn roll_back_set(
         .filter(|&i| match scope {
             // Changed and rolled back: its agent rolled it back on its own
             // (the Device's spec follows).
+            // A failure awaiting its retry is a failure here.
             RollbackScope::Failed => {
                 matches!(view[i].state, MemberState::Failed | MemberState::RolledBack)
+                    || members[i].state == MemberState::Failed
             }
             RollbackScope::Wave => waves.contains(&plan.stage[i]),
             RollbackScope::All => true,
@@ -483,6 +492,7 @@ mod tests {
                 }],
                 action: FailureAction::Pause,
                 rollback_scope: RollbackScope::Failed,
+                retries: 0,
             },
             offline: OfflinePolicy::default(),
             paused: false,
@@ -501,6 +511,7 @@ mod tests {
                 away_ms: None,
                 inconclusive: false,
                 late: false,
+                retry: false,
             })
             .collect()
     }
@@ -535,6 +546,57 @@ mod tests {
         assert_eq!(last.phase, RolloutPhase::Complete);
         assert_eq!(condition(&last, "Complete"), (true, "AllDevicesDone"));
         assert!(last.start.is_empty());
+    }
+
+    #[test]
+    fn a_failure_to_retry_waits_for_a_place_holds_its_stage_and_is_no_failure_yet() {
+        let mut ms = pending(8);
+        // The canary failed to install and has attempts left.
+        set(
+            &mut ms[0],
+            MemberState::Failed,
+            Some(FailureClass::InstallFailed),
+        );
+        ms[0].retry = true;
+        let again = step(&spec(), &ms);
+        assert_eq!(again.start, [0], "tried again");
+        assert_eq!(again.wave.as_deref(), Some("canary"), "the wave waits");
+        assert_eq!(again.summary.overall.failed, 0);
+        assert_eq!(again.summary.overall.pending, 8);
+        assert_eq!(again.breach, None);
+        // At the limit (two updating in its site) it waits like a start.
+        let mut s = spec();
+        s.strategy.max_unavailable = IntOrString::Int(4);
+        set(&mut ms[2], MemberState::Updating, None);
+        set(&mut ms[4], MemberState::Updating, None);
+        let full = step(&s, &ms);
+        assert!(
+            !full.start.contains(&0),
+            "site s0 is full: {:?}",
+            full.start
+        );
+        // Out of attempts, it is a failure like any other.
+        ms[0].retry = false;
+        let failed = step(&s, &ms);
+        assert_eq!(failed.summary.overall.failed, 1);
+        assert!(!failed.start.contains(&0));
+    }
+
+    #[test]
+    fn a_rollback_of_the_failed_takes_a_failure_awaiting_its_retry() {
+        let mut s = spec();
+        s.abort = true;
+        let mut ms = pending(8);
+        set(&mut ms[0], MemberState::Succeeded, None);
+        set(
+            &mut ms[1],
+            MemberState::Failed,
+            Some(FailureClass::TimedOut),
+        );
+        ms[1].retry = true;
+        let aborted = step(&s, &ms);
+        assert_eq!(aborted.roll_back, [1]);
+        assert!(aborted.start.is_empty());
     }
 
     #[test]

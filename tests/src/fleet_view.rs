@@ -152,6 +152,7 @@ mod tests {
                 transport: Transport::Coap,
                 desired: Default::default(),
                 firmware: None,
+                retry: 0,
             },
         );
         d.metadata.generation = Some(generation);

@@ -89,12 +89,14 @@ pub struct Timeline {
     pub violations: Vec<String>,
     /// Each member's latest state.
     pub states: BTreeMap<String, MemberState>,
-    /// Members changed more than once by the rollout (two records with
-    /// different times): what a controller restarting mid-rollout must
-    /// never do.
+    /// Members changed more than once by the rollout (two records of the
+    /// same attempt with different times): what a controller restarting
+    /// mid-rollout must never do.
     pub changed_twice: Vec<String>,
-    // The time of each member's change, from its record.
-    changed_at: BTreeMap<String, i64>,
+    /// Each member's attempts seen (1 unless retried).
+    pub attempts: BTreeMap<String, u32>,
+    // The time of each attempt at a member's change, from its record.
+    changed_at: BTreeMap<(String, u32), i64>,
 }
 
 /// Records the timeline of `rollout` (as created, with its uid) over the
@@ -162,8 +164,10 @@ fn observe(
     if let Some(r) = &ours {
         let first = *t
             .changed_at
-            .entry(name.to_owned())
+            .entry((name.to_owned(), r.attempt))
             .or_insert(r.changed_at_ms);
+        let attempts = t.attempts.entry(name.to_owned()).or_default();
+        *attempts = (*attempts).max(r.attempt);
         if first != r.changed_at_ms && !t.changed_twice.iter().any(|n| n == name) {
             t.changed_twice.push(name.to_owned());
         }

@@ -84,6 +84,7 @@ impl Site {
                     transport,
                     desired,
                     firmware: None,
+                    retry: 0,
                 },
             );
             device.metadata.labels = Some([("role".to_owned(), role.to_owned())].into());

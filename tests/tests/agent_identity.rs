@@ -289,6 +289,7 @@ async fn a_deleted_pods_token_stops_working_and_the_next_pods_token_is_read_from
             transport: Transport::Coap,
             desired: Default::default(),
             firmware: None,
+            retry: 0,
         },
     );
     devices

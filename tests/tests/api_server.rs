@@ -31,6 +31,7 @@ fn thermostat_spec(node: &str) -> DeviceSpec {
             url: Some("https://firmware.example/thermostat-1.4.2.bin".into()),
             sha256: Some("0123456789abcdef".repeat(4)),
         }),
+        retry: 0,
     }
 }
 
@@ -334,7 +335,13 @@ async fn kubectl_get_devices_shows_node_model_firmware_phase_age() {
             "firmwareVersion": "1.4.1",
             "phase": "Delivered",
             "appliedGeneration": 0,
-            "rollout": { "name": "fw-1-4-1", "revision": 1, "state": "Updating" },
+            "rollout": {
+                "name": "fw-1-4-1",
+                "revision": 1,
+                "state": "Updating",
+                "attempt": 2,
+                "failure": "TimedOut",
+            },
         },
     });
     api.patch_status(
@@ -362,7 +369,9 @@ async fn kubectl_get_devices_shows_node_model_firmware_phase_age() {
             "Transport",
             "Applied",
             "Rollout",
-            "Rollout-State"
+            "Rollout-State",
+            "Attempt",
+            "Failure"
         ]
     );
     assert_eq!(rows.len(), 1);
@@ -384,8 +393,13 @@ async fn kubectl_get_devices_shows_node_model_firmware_phase_age() {
     );
     assert_eq!(row[6], json!("coap"));
     assert_eq!(
-        row[8..10],
-        [json!("fw-1-4-1"), json!("Updating")],
+        row[8..12],
+        [
+            json!("fw-1-4-1"),
+            json!("Updating"),
+            json!(2),
+            json!("TimedOut")
+        ],
         "-o wide: the device's rollout"
     );
     assert_eq!(row[7], json!(0));

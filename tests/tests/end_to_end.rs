@@ -128,6 +128,7 @@ impl Site {
             transport,
             desired: BTreeMap::from([("setpoint".to_owned(), PropertyValue::Float(21.5))]),
             firmware: None,
+            retry: 0,
         };
         self.devices()
             .create(&PostParams::default(), &Device::new(name, spec))

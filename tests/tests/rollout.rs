@@ -465,6 +465,96 @@ async fn install_failures_under_the_thresholds_let_the_rollout_complete_with_the
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_installs_are_retried_within_the_limits_and_each_device_shows_its_attempt() {
+    // Half the installs fail; each device may try five times.
+    let sites = Sites::start("fro-retry", 2, 12, &["--install-failure=2.0.0=50"]).await;
+    let (_, recorder) = sites
+        .roll_out(
+            "fw-2",
+            json!({
+                "target": firmware_target("2.0.0"),
+                "selector": {},
+                "strategy": {
+                    "canary": 1,
+                    "maxUnavailable": 4,
+                    "failureDomain": { "topologyKey": SITE, "maxUnavailable": 2, "canary": 1 },
+                },
+                // Never judged: what happens to each device is the point.
+                "failurePolicy": {
+                    "thresholds": [{ "scope": "Overall", "percent": 100, "minSample": 1000 }],
+                    "retries": 4,
+                },
+            }),
+        )
+        .await;
+    let done = sites
+        .wait_for_phase("fw-2", RolloutPhase::Complete, Duration::from_secs(180))
+        .await;
+    let timeline = recorder.finish();
+    // Retries take places like first attempts, and no attempt was made twice.
+    assert_limits(&timeline, 4, 2);
+    assert!(
+        timeline.changed_twice.is_empty(),
+        "{:?}",
+        timeline.changed_twice
+    );
+    let retried = timeline.attempts.values().filter(|&&a| a > 1).count();
+    assert!(retried > 0, "no install failed: the test needs some");
+
+    let status = done.status.as_ref().unwrap();
+    let mut failed = 0;
+    let parts = eventually("every Device shows its last attempt", || async {
+        let list = sites.devices.list(&Default::default()).await.ok()?;
+        let parts: Vec<(Device, _)> = list
+            .items
+            .into_iter()
+            .map(|d| {
+                let part = d.status.as_ref().and_then(|s| s.rollout.clone());
+                (d, part)
+            })
+            .collect();
+        parts
+            .iter()
+            .all(|(d, p)| {
+                p.as_ref().is_some_and(|p| {
+                    Some(&p.attempt) == timeline.attempts.get(&d.name_any())
+                        && matches!(p.state.as_str(), "Succeeded" | "Failed")
+                })
+            })
+            .then_some(parts)
+    })
+    .await;
+    for (device, part) in &parts {
+        let name = device.name_any();
+        let part = part.as_ref().unwrap();
+        // One new generation per retry: the spec's counter says how many.
+        assert_eq!(device.spec.retry, part.attempt - 1, "{name}");
+        let reported = device.status.as_ref().unwrap().firmware_version.clone();
+        match part.state.as_str() {
+            "Succeeded" => {
+                assert_eq!(reported.as_deref(), Some("2.0.0"), "{name}");
+                let expected = (part.attempt > 1).then_some("InstallFailed");
+                assert_eq!(
+                    part.failure.as_deref(),
+                    expected,
+                    "{name}: why attempt {} came",
+                    part.attempt
+                );
+            }
+            _ => {
+                failed += 1;
+                assert_eq!(part.attempt, 5, "{name} failed before its last attempt");
+                assert_eq!(part.failure.as_deref(), Some("InstallFailed"), "{name}");
+                assert_eq!(reported.as_deref(), Some(FACTORY), "{name}");
+            }
+        }
+    }
+    assert_eq!(status.counts.failed, failed, "{status:?}");
+    assert_eq!(status.counts.succeeded, 12 - failed, "{status:?}");
+    sites.stack.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crossing_a_failure_threshold_rolls_every_changed_device_back() {
     let sites = Sites::start("fro-rollback", 2, 16, &["--install-failure=2.0.0=50"]).await;
     let (_, recorder) = sites

@@ -94,6 +94,7 @@ fn thermostat(node: &str, setpoint: f64) -> DeviceSpec {
         transport: Transport::Coap,
         desired: BTreeMap::from([("setpoint".to_owned(), PropertyValue::Float(setpoint))]),
         firmware: None,
+        retry: 0,
     }
 }
 

@@ -115,6 +115,7 @@ async fn an_agent_that_trusts_the_ca_syncs_and_plaintext_or_other_ca_clients_are
         transport: Transport::Coap,
         desired: Default::default(),
         firmware: None,
+        retry: 0,
     };
     devices
         .create(&PostParams::default(), &Device::new("t1", spec))

@@ -73,6 +73,20 @@ use crate::property::PropertyValue;
         priority = 1,
         description = "The device's state in that rollout"
     ),
+    printcolumn(
+        name = "Attempt",
+        type_ = "integer",
+        json_path = ".status.rollout.attempt",
+        priority = 1,
+        description = "Which attempt at that rollout's update"
+    ),
+    printcolumn(
+        name = "Failure",
+        type_ = "string",
+        json_path = ".status.rollout.failure",
+        priority = 1,
+        description = "Why the last attempt failed"
+    ),
     selectable = ".spec.node"
 )]
 #[serde(rename_all = "camelCase")]
@@ -93,6 +107,15 @@ pub struct DeviceSpec {
     /// The firmware the device should run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub firmware: Option<FirmwareSpec>,
+    /// A counter: raising it gives the spec a new generation though nothing
+    /// else changed, so the device is sent its desired state again and
+    /// tries it anew. A FleetRollout raises it to retry a failed install.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub retry: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// The protocol a device speaks to its agent.
@@ -203,7 +226,14 @@ pub struct DeviceRolloutStatus {
     /// Pending, Updating, Baking, Succeeded, Failed, RolledBack,
     /// Unreachable or Skipped.
     pub state: String,
-    /// Why it failed: InstallFailed, HealthFailed or TimedOut.
+    /// Which attempt at the update this is (1 for the first; a failed
+    /// install or a time-out is tried again as the rollout's
+    /// `failurePolicy.retries` allows).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub attempt: u32,
+    /// Why its last attempt failed, if one did: InstallFailed, HealthFailed
+    /// or TimedOut (with a later attempt under way or succeeded, why the
+    /// one before it failed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure: Option<String>,
 }

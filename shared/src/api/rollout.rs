@@ -274,6 +274,14 @@ pub struct FailurePolicy {
     /// What a rollback rolls back.
     #[serde(default)]
     pub rollback_scope: RollbackScope,
+    /// How many more times a device's update is tried after it failed to
+    /// install or timed out, before it counts as failed. A device that
+    /// installed the update and failed the health gate is not retried.
+    /// Each retry takes a place within `maxUnavailable` like a first
+    /// attempt.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    #[schemars(range(max = 10))]
+    pub retries: u32,
 }
 
 impl Default for FailurePolicy {
@@ -282,6 +290,7 @@ impl Default for FailurePolicy {
             thresholds: default_thresholds(),
             action: FailureAction::default(),
             rollback_scope: RollbackScope::default(),
+            retries: 0,
         }
     }
 }

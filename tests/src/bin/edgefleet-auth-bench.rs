@@ -357,6 +357,7 @@ async fn create_bulk_devices(client: &Client, devices: usize) -> anyhow::Result<
                     )]
                     .into(),
                     firmware: None,
+                    retry: 0,
                 };
                 let device = Device::new(&format!("bulk-{i:05}"), spec);
                 match api.create(&PostParams::default(), &device).await {

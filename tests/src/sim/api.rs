@@ -71,6 +71,7 @@ impl Api {
                 transport: Transport::Coap,
                 desired: BTreeMap::new(),
                 firmware: None,
+                retry: 0,
             },
         );
         device.metadata.namespace = Some(key.namespace.clone());
