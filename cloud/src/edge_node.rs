@@ -61,7 +61,7 @@ impl NodeStatus {
         let Some((agent_version, boot_id)) = self.unrecorded_connect.clone() else {
             return Ok(());
         };
-        let node = EdgeNode::new(&self.node, EdgeNodeSpec {});
+        let node = EdgeNode::new(&self.node, EdgeNodeSpec::default());
         self.api
             .patch(
                 &self.node,

@@ -15,6 +15,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod agent_certs;
 pub mod agent_identity;
 pub mod agents;
 pub mod conditions;

@@ -32,7 +32,7 @@ enum Command {
     Crds,
     /// Run the controller: watch Devices, serve agents, write status.
     /// Uses $KUBECONFIG, ~/.kube/config or the in-cluster service account.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Write a lab CA and a sync certificate it issued (`ca.crt`,
     /// `tls.crt`, `tls.key`) into a directory, and print the kubectl
     /// commands that load them. For labs: production uses cert-manager.
@@ -104,6 +104,14 @@ struct RunArgs {
         default_value = "edgefleet-system/edgefleet-agent"
     )]
     agent_service_account: AuthSettings,
+    /// The CA that signs client certificates for agents that are not pods
+    /// (signer `edgefleet.io/agent`), as cert-manager writes a CA's Secret
+    /// (`tls.crt`, `tls.key`). The controller then approves the requests
+    /// of EdgeNodes an operator created with `spec.agentCredentials:
+    /// ClientCertificate`, denies the others, and signs. Without it those
+    /// requests wait.
+    #[arg(long, env = "EDGEFLEET_AGENT_CA_DIR")]
+    agent_ca_dir: Option<std::path::PathBuf>,
     /// Believe the node an agent names, with no token: anyone who reaches
     /// the sync port can speak for any node. For local demos only.
     #[arg(long, env = "EDGEFLEET_INSECURE_UNAUTHENTICATED_AGENTS")]
@@ -122,7 +130,7 @@ struct RunArgs {
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Crds => print!("{}", edgefleet_cloud::crds::render()?),
-        Command::Run(args) => tokio::runtime::Runtime::new()?.block_on(run(args))?,
+        Command::Run(args) => tokio::runtime::Runtime::new()?.block_on(run(*args))?,
         Command::LabCerts(args) => {
             edgefleet_cloud::lab_ca::LabCa::new(&args.dir, &args.names)?;
             let dir = args.dir.display();
@@ -145,6 +153,12 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             "the sync link needs a certificate: --tls-dir DIR (tls.crt and tls.key, as cert-manager writes them; `make certs` makes a lab one), or --insecure-plaintext for a local demo"
         );
     }
+    let agent_ca = args
+        .agent_ca_dir
+        .as_deref()
+        .map(edgefleet_cloud::agent_certs::AgentCa::load)
+        .transpose()
+        .context("--agent-ca-dir: the CA that signs agents' certificates")?;
     let client = kube::Client::try_default()
         .await
         .context("no Kubernetes API: set KUBECONFIG or run in a cluster")?;
@@ -194,6 +208,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             reload_every: std::time::Duration::from_secs(2),
         }),
         token_recheck: edgefleet_cloud::sync::TOKEN_RECHECK,
+        agent_ca,
         limits: Limits {
             max_connections: args.max_connections,
             max_streams: args.max_connections,

@@ -64,6 +64,9 @@ pub struct Settings {
     pub limits: crate::sync::admission::Limits,
     /// How often a running session's token is reviewed again.
     pub token_recheck: std::time::Duration,
+    /// The CA that signs agents' client certificates (signer
+    /// `edgefleet.io/agent`); without it, nothing answers those requests.
+    pub agent_ca: Option<crate::agent_certs::AgentCa>,
 }
 
 /// A running controller.
@@ -184,6 +187,19 @@ impl Controller {
 
         let sync_addr = settings.sync_listener.local_addr()?;
         let sync_metrics = settings.sync_metrics;
+        match settings.agent_ca {
+            Some(ca) => {
+                tasks.spawn(crate::agent_certs::run(
+                    client.clone(),
+                    ca,
+                    sync_metrics.agent_certificates.clone(),
+                ));
+            }
+            None => tracing::info!(
+                signer = crate::agent_certs::SIGNER,
+                "no --agent-ca-dir: agents' certificate requests are left unanswered"
+            ),
+        }
         let device_events = DeviceEvents::new(
             client.clone(),
             settings.device_events_per_second,

@@ -184,7 +184,7 @@ mod tests {
             device("edge-1", 3, 2, 2, false), // neither
             device("edge-2", 1, 1, 1, true),
         ];
-        let mut node = EdgeNode::new("edge-1", EdgeNodeSpec {});
+        let mut node = EdgeNode::new("edge-1", EdgeNodeSpec::default());
         node.status = Some(EdgeNodeStatus {
             connected: true,
             ..Default::default()

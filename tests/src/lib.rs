@@ -181,6 +181,7 @@ pub fn in_process_controller(
         agent_auth: edgefleet_cloud::agent_identity::AuthSettings::TrustHello,
         limits: Default::default(),
         token_recheck: edgefleet_cloud::sync::TOKEN_RECHECK,
+        agent_ca: None,
     }
 }
 

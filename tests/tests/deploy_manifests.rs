@@ -436,6 +436,36 @@ async fn cloud_may(
         Some((resource, sub)) => (resource, Some(sub.to_owned())),
         None => (resource, None),
     };
+    cloud_may_do(
+        client,
+        ResourceAttributes {
+            verb: Some(verb.to_owned()),
+            group: Some(group.to_owned()),
+            resource: Some(resource.to_owned()),
+            subresource,
+            namespace: namespace.map(str::to_owned),
+            ..Default::default()
+        },
+    )
+    .await
+}
+
+/// Whether the controller may `verb` the CSR signer `signer`.
+async fn cloud_may_use_signer(client: &Client, verb: &str, signer: &str) -> bool {
+    cloud_may_do(
+        client,
+        ResourceAttributes {
+            verb: Some(verb.to_owned()),
+            group: Some("certificates.k8s.io".to_owned()),
+            resource: Some("signers".to_owned()),
+            name: Some(signer.to_owned()),
+            ..Default::default()
+        },
+    )
+    .await
+}
+
+async fn cloud_may_do(client: &Client, attributes: ResourceAttributes) -> bool {
     let review = SubjectAccessReview {
         metadata: ObjectMeta::default(),
         spec: SubjectAccessReviewSpec {
@@ -446,14 +476,7 @@ async fn cloud_may(
                 format!("system:serviceaccounts:{SYSTEM_NAMESPACE}"),
                 "system:authenticated".to_owned(),
             ]),
-            resource_attributes: Some(ResourceAttributes {
-                verb: Some(verb.to_owned()),
-                group: Some(group.to_owned()),
-                resource: Some(resource.to_owned()),
-                subresource,
-                namespace: namespace.map(str::to_owned),
-                ..Default::default()
-            }),
+            resource_attributes: Some(attributes),
             ..Default::default()
         },
         status: None,
@@ -523,6 +546,25 @@ async fn the_controller_may_do_what_it_does_and_nothing_else() {
         ("update", "coordination.k8s.io", "leases", own_ns),
         // Agents' tokens.
         ("create", "authentication.k8s.io", "tokenreviews", None),
+        // Agents' certificate requests: it answers and signs them.
+        (
+            "watch",
+            "certificates.k8s.io",
+            "certificatesigningrequests",
+            None,
+        ),
+        (
+            "patch",
+            "certificates.k8s.io",
+            "certificatesigningrequests/approval",
+            None,
+        ),
+        (
+            "patch",
+            "certificates.k8s.io",
+            "certificatesigningrequests/status",
+            None,
+        ),
     ];
     // Things it must not be able to do.
     let refused = [
@@ -567,8 +609,15 @@ async fn the_controller_may_do_what_it_does_and_nothing_else() {
         ("impersonate", "", "serviceaccounts", None),
         // It checks agents' tokens; it never mints one.
         ("create", "", "serviceaccounts/token", own_ns),
+        // It answers certificate requests; it makes none, and deletes none.
         (
             "create",
+            "certificates.k8s.io",
+            "certificatesigningrequests",
+            None,
+        ),
+        (
+            "delete",
             "certificates.k8s.io",
             "certificatesigningrequests",
             None,
@@ -587,6 +636,27 @@ async fn the_controller_may_do_what_it_does_and_nothing_else() {
         if cloud_may(&client, verb, group, resource, namespace).await {
             wrong.push(format!(
                 "allowed but not needed: {verb} {group}/{resource} in {namespace:?}"
+            ));
+        }
+    }
+    // It approves and signs for its own signer, and for no other (the
+    // API server's client certificates least of all).
+    let agent = edgefleet_cloud::agent_certs::SIGNER;
+    let kube = "kubernetes.io/kube-apiserver-client";
+    for (verb, signer, needed) in [
+        ("approve", agent, true),
+        ("sign", agent, true),
+        ("approve", kube, false),
+        ("sign", kube, false),
+        (
+            "approve",
+            "kubernetes.io/kube-apiserver-client-kubelet",
+            false,
+        ),
+    ] {
+        if cloud_may_use_signer(&client, verb, signer).await != needed {
+            wrong.push(format!(
+                "{verb} for the signer {signer}: should be {needed}"
             ));
         }
     }

@@ -88,6 +88,10 @@ pub struct SyncMetrics {
     pub authentications: Outcomes,
     /// TokenReviews sent to the API server.
     pub token_reviews: Counter,
+    /// CertificateSigningRequests of the signer `edgefleet.io/agent` by
+    /// outcome: `issued`, or why one was denied (`NoSuchEdgeNode`,
+    /// `NotACertificateNode`, `WrongSubject`, …).
+    pub agent_certificates: Outcomes,
 }
 
 impl SyncMetrics {
@@ -137,6 +141,11 @@ impl SyncMetrics {
             "token_reviews",
             "TokenReviews sent to the API server",
             self.token_reviews.clone(),
+        );
+        self.agent_certificates.register(
+            registry,
+            "agent_certificates",
+            "Agents' certificate requests (signer edgefleet.io/agent) by outcome (issued, or why denied)",
         );
     }
 }

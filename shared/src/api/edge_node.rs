@@ -10,9 +10,11 @@ use serde::{Deserialize, Serialize};
 
 use crate::api::schema;
 
-/// An edge node. Its name is the Kubernetes node name; its labels (site, line,
-/// region) are the failure domains rollouts limit by. The cloud creates it on
-/// the agent's first connect, so the spec has nothing to fill in today.
+/// An edge node. Its name is the Kubernetes node name (or, for a host that
+/// is not a Kubernetes node, a name an operator chose); its labels (site,
+/// line, region) are the failure domains rollouts limit by. The cloud
+/// creates it on the first connect of an agent that proved it runs on that
+/// node; an operator creates it for a host that is not a node.
 #[derive(
     CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema,
 )]
@@ -48,7 +50,25 @@ use crate::api::schema;
         json_path = ".metadata.creationTimestamp"
     )
 )]
-pub struct EdgeNodeSpec {}
+#[serde(rename_all = "camelCase")]
+pub struct EdgeNodeSpec {
+    /// How the node's agent proves who it is. Left out (the cloud never
+    /// sets it): the token of a pod on that Kubernetes node. `ClientCertificate`,
+    /// which only an operator sets, lets the node's agent get a client
+    /// certificate through the CertificateSigningRequest API (signer
+    /// `edgefleet.io/agent`): for a host at a site that is not a
+    /// Kubernetes node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_credentials: Option<AgentCredentials>,
+}
+
+/// How an agent proves which node it serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub enum AgentCredentials {
+    /// A client certificate of the signer `edgefleet.io/agent`, for this
+    /// EdgeNode's name.
+    ClientCertificate,
+}
 
 /// What the cloud knows about an edge node's agent.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
