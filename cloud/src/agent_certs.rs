@@ -152,6 +152,22 @@ fn valid_node_name(name: &str) -> bool {
         && name.ends_with(|c: char| c.is_ascii_alphanumeric())
 }
 
+/// The node a client certificate of this signer names: its subject's
+/// common name after [`COMMON_NAME_PREFIX`]. (The sync server calls it
+/// only on a certificate its TLS handshake verified against the agents'
+/// CA, which issues nothing else.)
+pub fn node_of(certificate: &rustls::pki_types::CertificateDer<'_>) -> Option<String> {
+    let (_, parsed) = x509_parser::parse_x509_certificate(certificate).ok()?;
+    let mut names = parsed.subject().iter_common_name();
+    let cn = names.next()?.as_str().ok()?;
+    if names.next().is_some() {
+        return None;
+    }
+    cn.strip_prefix(COMMON_NAME_PREFIX)
+        .filter(|node| valid_node_name(node))
+        .map(str::to_owned)
+}
+
 /// Whether `node` may have a client certificate: an operator created its
 /// EdgeNode for one.
 pub fn admit(node: &str, edge_node: Option<&EdgeNode>) -> Result<(), Denial> {

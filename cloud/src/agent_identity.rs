@@ -280,12 +280,25 @@ impl TokenReviews {
 /// runs.
 #[derive(Clone, Debug)]
 pub struct Authenticated {
-    /// The node the token is bound to.
+    /// The node the agent proved.
     pub node: String,
-    /// The token.
-    pub token: String,
-    /// Who reviews it.
-    pub reviews: Arc<TokenReviews>,
+    /// How it proved it.
+    pub proof: Proof,
+}
+
+/// How an agent proved its node.
+#[derive(Clone, Debug)]
+pub enum Proof {
+    /// A pod's token, reviewed again while the session runs.
+    Token {
+        /// The token.
+        token: String,
+        /// Who reviews it.
+        reviews: Arc<TokenReviews>,
+    },
+    /// A client certificate of the signer `edgefleet.io/agent`, for an
+    /// EdgeNode that takes certificates (checked at every connect).
+    Certificate,
 }
 
 #[cfg(test)]

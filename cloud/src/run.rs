@@ -187,6 +187,10 @@ impl Controller {
 
         let sync_addr = settings.sync_listener.local_addr()?;
         let sync_metrics = settings.sync_metrics;
+        let agent_ca_pem = settings
+            .agent_ca
+            .as_ref()
+            .map(|ca| ca.certificate_pem.clone());
         match settings.agent_ca {
             Some(ca) => {
                 tasks.spawn(crate::agent_certs::run(
@@ -268,7 +272,7 @@ impl Controller {
         match &settings.tls {
             Some(tls) => {
                 let certificate = crate::tls::Certificate::load(&tls.dir)?;
-                let config = certificate.server_config()?;
+                let config = certificate.server_config(agent_ca_pem.as_deref())?;
                 tasks.spawn(
                     Arc::clone(&certificate)
                         .keep_reloading(tls.reload_every, sync_metrics.tls_reloads.clone()),

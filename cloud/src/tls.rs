@@ -20,7 +20,7 @@ use futures::{Stream, StreamExt};
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-use rustls::server::{ClientHello, ResolvesServerCert};
+use rustls::server::{ClientHello, ResolvesServerCert, WebPkiClientVerifier};
 use rustls::sign::CertifiedKey;
 use tokio::net::TcpStream;
 use tokio::sync::{Semaphore, mpsc};
@@ -152,12 +152,41 @@ impl Certificate {
     }
 
     /// The rustls configuration that serves this certificate to gRPC
-    /// clients (HTTP/2 only).
-    pub fn server_config(self: &Arc<Self>) -> Result<rustls::ServerConfig, TlsError> {
-        let mut config = rustls::ServerConfig::builder_with_provider(Arc::clone(&self.provider))
-            .with_safe_default_protocol_versions()?
-            .with_no_client_auth()
-            .with_cert_resolver(Arc::clone(self) as Arc<dyn ResolvesServerCert>);
+    /// clients (HTTP/2 only). With `client_ca` (PEM), a client may present
+    /// a certificate, which must then chain to it (agents that are not
+    /// pods); one that presents none goes on to prove itself with a token.
+    pub fn server_config(
+        self: &Arc<Self>,
+        client_ca: Option<&str>,
+    ) -> Result<rustls::ServerConfig, TlsError> {
+        let builder = rustls::ServerConfig::builder_with_provider(Arc::clone(&self.provider))
+            .with_safe_default_protocol_versions()?;
+        let builder = match client_ca {
+            None => builder.with_no_client_auth(),
+            Some(pem) => {
+                let mut roots = rustls::RootCertStore::empty();
+                for cert in CertificateDer::pem_slice_iter(pem.as_bytes()) {
+                    let cert = cert.map_err(|e| TlsError::Pem {
+                        path: "--agent-ca-dir/tls.crt".into(),
+                        what: e.to_string(),
+                    })?;
+                    roots.add(cert)?;
+                }
+                let verifier = WebPkiClientVerifier::builder_with_provider(
+                    Arc::new(roots),
+                    Arc::clone(&self.provider),
+                )
+                .allow_unauthenticated()
+                .build()
+                .map_err(|e| TlsError::Pem {
+                    path: "--agent-ca-dir/tls.crt".into(),
+                    what: e.to_string(),
+                })?;
+                builder.with_client_cert_verifier(verifier)
+            }
+        };
+        let mut config =
+            builder.with_cert_resolver(Arc::clone(self) as Arc<dyn ResolvesServerCert>);
         config.alpn_protocols = vec![b"h2".to_vec()];
         Ok(config)
     }

@@ -53,6 +53,15 @@ struct Cli {
     /// and sent to the cloud, which takes the node from it.
     #[arg(long, env = "EDGEFLEET_TOKEN_FILE")]
     token_file: Option<PathBuf>,
+    /// For an agent that is not a pod: its client certificate (PEM), of
+    /// the signer `edgefleet.io/agent` for this node (see
+    /// `edgefleet-agent-csr`); read on every connect. Needs
+    /// --client-key-file.
+    #[arg(long, env = "EDGEFLEET_CLIENT_CERT_FILE", requires = "client_key_file")]
+    client_cert_file: Option<PathBuf>,
+    /// The private key of --client-cert-file (PEM).
+    #[arg(long, env = "EDGEFLEET_CLIENT_KEY_FILE", requires = "client_cert_file")]
+    client_key_file: Option<PathBuf>,
     /// Where the agent keeps its store.
     #[arg(long, env = "EDGEFLEET_DATA_DIR", default_value = "/var/lib/edgefleet")]
     data_dir: PathBuf,
@@ -379,9 +388,19 @@ fn cloud_tls(cli: &Cli) -> anyhow::Result<Option<edgefleet_agent::sync::CloudTls
             let ca_file = cli.cloud_ca_file.clone().context(
                 "--cloud-ca-file is needed to check the cloud's certificate (the ca.crt of its Secret)",
             )?;
+            let client_certificate = match (&cli.client_cert_file, &cli.client_key_file) {
+                (Some(cert_file), Some(key_file)) => {
+                    Some(edgefleet_agent::sync::ClientCertificate {
+                        cert_file: cert_file.clone(),
+                        key_file: key_file.clone(),
+                    })
+                }
+                _ => None,
+            };
             Ok(Some(edgefleet_agent::sync::CloudTls {
                 ca_file,
                 server_name: cli.cloud_server_name.clone(),
+                client_certificate,
             }))
         }
     }

@@ -7,15 +7,25 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use edgefleet_agent::store::Store;
+use edgefleet_agent::sync::{self, ClientCertificate, CloudTls, SyncSettings};
 use edgefleet_cloud::agent_certs::{self, AgentCa, SIGNER};
-use edgefleet_shared::api::EdgeNode;
+use edgefleet_cloud::agent_identity::AuthSettings;
+use edgefleet_cloud::run::{Controller, Settings};
+use edgefleet_cloud::tls::TlsSettings;
+use edgefleet_shared::ResourceKey;
+use edgefleet_shared::api::{Device, DeviceSpec, EdgeNode, Transport};
 use edgefleet_shared::telemetry::Outcomes;
-use edgefleet_tests::{control_plane, eventually};
+use edgefleet_tests::agent_tokens::ACCOUNT;
+use edgefleet_tests::{
+    agent_sync_settings, certs, control_plane, eventually, in_process_controller, process,
+    test_namespace,
+};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::certificates::v1::{
     CertificateSigningRequest, CertificateSigningRequestSpec,
 };
-use kube::api::{ObjectMeta, PostParams};
+use kube::api::{ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use rcgen::{
     BasicConstraints, CertificateParams, DistinguishedName, DnType, IsCa, KeyPair, KeyUsagePurpose,
@@ -223,4 +233,154 @@ async fn only_an_edge_node_an_operator_made_for_certificates_gets_a_client_certi
 fn pem_der(pem: &str) -> CertificateDer<'static> {
     use rustls::pki_types::pem::PemObject;
     CertificateDer::from_pem_slice(pem.as_bytes()).unwrap()
+}
+
+/// The whole way for a host that is not a pod: `edgefleet-agent-csr` makes
+/// its key and request, the controller signs it, and the agent, with no
+/// token, is served its node over TLS with that certificate. The same
+/// certificate naming another node is refused; once the operator takes
+/// `agentCredentials` off the EdgeNode, it is refused at the next connect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_with_a_signed_certificate_is_served_its_node_and_nothing_else() {
+    let client = control_plane().client().await;
+    let ns = test_namespace(&client, "agent-cert").await;
+    let dir = tempfile::tempdir().unwrap();
+    let lab = certs::lab(&dir.path().join("sync")).unwrap();
+    let ca_dir = dir.path().join("agent-ca");
+    std::fs::create_dir_all(&ca_dir).unwrap();
+    make_ca(&ca_dir);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let controller = Controller::start(
+        client.clone(),
+        Settings {
+            tls: Some(TlsSettings {
+                dir: lab.dir().to_owned(),
+                reload_every: Duration::from_secs(60),
+            }),
+            agent_ca: Some(AgentCa::load(&ca_dir).unwrap()),
+            // Agents without a certificate need a pod's token.
+            agent_auth: AuthSettings::ServiceAccount {
+                namespace: ns.clone(),
+                name: ACCOUNT.into(),
+            },
+            ..in_process_controller(listener, &ns)
+        },
+    )
+    .await
+    .unwrap();
+    let authentications = |outcome: &str| controller.sync_metrics.authentications.get(outcome);
+
+    let node = format!("cert-site-{}", std::process::id());
+    let edge_nodes: Api<EdgeNode> = Api::all(client.clone());
+    let registered: EdgeNode = serde_json::from_value(json!({
+        "apiVersion": "edgefleet.io/v1alpha1",
+        "kind": "EdgeNode",
+        "metadata": { "name": node },
+        "spec": { "agentCredentials": "ClientCertificate" },
+    }))
+    .unwrap();
+    edge_nodes
+        .create(&PostParams::default(), &registered)
+        .await
+        .unwrap();
+
+    // The host makes its key and request; an operator submits it.
+    let host_dir = dir.path().join("host");
+    let made = std::process::Command::new(process::binary("edgefleet-agent-csr"))
+        .args(["--node", &node, "--expiration-seconds", "3600", "--dir"])
+        .arg(&host_dir)
+        .output()
+        .unwrap();
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let key_mode = std::fs::metadata(host_dir.join("tls.key"))
+        .unwrap()
+        .permissions();
+    assert_eq!(
+        std::os::unix::fs::PermissionsExt::mode(&key_mode) & 0o077,
+        0,
+        "the key is its owner's alone"
+    );
+    let csr: CertificateSigningRequest = serde_json::from_slice(&made.stdout).unwrap();
+    let name = csr.metadata.name.clone().unwrap();
+    Api::<CertificateSigningRequest>::all(client.clone())
+        .create(&PostParams::default(), &csr)
+        .await
+        .unwrap();
+    let (type_, _, certificate) = decided(&client, &name).await;
+    assert_eq!(type_, "Approved");
+    std::fs::write(host_dir.join("tls.crt"), certificate.unwrap()).unwrap();
+
+    // The agent with it, and no token, holds its node's Device.
+    let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
+    devices
+        .create(
+            &PostParams::default(),
+            &Device::new(
+                "meter-1",
+                DeviceSpec {
+                    node: node.clone(),
+                    model: "meter".into(),
+                    transport: Transport::Coap,
+                    desired: Default::default(),
+                    firmware: None,
+                    retry: 0,
+                },
+            ),
+        )
+        .await
+        .unwrap();
+    let agent = |node: &str, store: &Store| {
+        let settings = SyncSettings {
+            tls: Some(CloudTls {
+                ca_file: lab.ca_file(),
+                server_name: None,
+                client_certificate: Some(ClientCertificate {
+                    cert_file: host_dir.join("tls.crt"),
+                    key_file: host_dir.join("tls.key"),
+                }),
+            }),
+            ..agent_sync_settings(format!("https://{}", controller.sync_addr), node)
+        };
+        tokio::spawn(sync::run(settings, store.clone()))
+    };
+    let store = Store::open(&dir.path().join("store")).unwrap().store;
+    let running = agent(&node, &store);
+    let key = ResourceKey::device(&ns, "meter-1");
+    eventually("the agent holds its Device", || async {
+        store.desired(&key).unwrap().map(|_| ())
+    })
+    .await;
+    assert!(authentications("certificate") >= 1);
+    running.abort();
+
+    // Naming another node with it: refused.
+    let other_store = Store::open(&dir.path().join("other")).unwrap().store;
+    let other = agent(&format!("cert-other-{}", std::process::id()), &other_store);
+    eventually("a Hello naming another node is refused", || async {
+        (authentications("node_mismatch") >= 1).then_some(())
+    })
+    .await;
+    other.abort();
+
+    // The operator takes certificates away from the node: the next connect
+    // is refused.
+    edge_nodes
+        .patch(
+            &node,
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "spec": { "agentCredentials": null } })),
+        )
+        .await
+        .unwrap();
+    let again = agent(&node, &store);
+    eventually(
+        "the certificate of a node that no longer takes them is refused",
+        || async { (authentications("certificate_not_allowed") >= 1).then_some(()) },
+    )
+    .await;
+    again.abort();
 }

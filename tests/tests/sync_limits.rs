@@ -219,6 +219,7 @@ async fn ten_thousand_unauthenticated_connections_are_bounded_then_closed_and_ag
         tls: Some(edgefleet_agent::sync::CloudTls {
             ca_file: lab.ca_file(),
             server_name: None,
+            client_certificate: None,
         }),
         token_file: Some(token_file),
         ..agent_sync_settings(format!("https://{sync}"), &node)

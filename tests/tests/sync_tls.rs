@@ -62,6 +62,7 @@ impl Site {
             tls: Some(CloudTls {
                 ca_file: ca.ca_file(),
                 server_name: None,
+                client_certificate: None,
             }),
             ..edgefleet_tests::agent_sync_settings(
                 format!("https://{}", self.controller.sync_addr),

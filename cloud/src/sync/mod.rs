@@ -29,7 +29,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::agent_identity::{self, AgentAuth, Authenticated, Refusal};
+use crate::agent_identity::{self, AgentAuth, Authenticated, Proof, Refusal};
 use crate::agents::{Agents, delivered_to};
 use crate::device_events::DeviceEvents;
 use crate::edge_node::NodeStatus;
@@ -278,7 +278,16 @@ impl proto::sync_server::Sync for SyncService {
         // A place among the open streams before anything else is read.
         let peer = Peer::of(&request).cloned();
         let place = self.place_for(peer.as_ref())?;
-        let authenticated = self.authenticate(request.metadata()).await?;
+        // A client certificate rustls verified against the agents' CA.
+        let certificate = request
+            .extensions()
+            .get::<tonic::transport::server::TlsConnectInfo<Peer>>()
+            .and_then(|tls| tls.peer_certs())
+            .and_then(|chain| chain.first().cloned());
+        let authenticated = match certificate {
+            Some(certificate) => Some(self.authenticate_certificate(&certificate).await?),
+            None => self.authenticate(request.metadata()).await?,
+        };
         if let Some(peer) = &peer {
             peer.authenticated();
         }
@@ -314,9 +323,9 @@ impl proto::sync_server::Sync for SyncService {
             && *node != hello.node
         {
             self.metrics.authentications.inc("node_mismatch");
-            tracing::warn!(authenticated = %node, claimed = %hello.node, "an agent claimed another node than its token's: refused");
+            tracing::warn!(authenticated = %node, claimed = %hello.node, "an agent claimed another node than it proved: refused");
             return Err(Status::permission_denied(format!(
-                "the token is of node {node}, the Hello names {}",
+                "the credentials are of node {node}, the Hello names {}",
                 hello.node
             )));
         }
@@ -372,6 +381,44 @@ impl SyncService {
         Ok(Some(place))
     }
 
+    /// The node of a client certificate the TLS handshake verified against
+    /// the agents' CA, if its EdgeNode (still) takes certificates; counted
+    /// by outcome.
+    async fn authenticate_certificate(
+        &self,
+        certificate: &rustls::pki_types::CertificateDer<'_>,
+    ) -> Result<Authenticated, Status> {
+        let refuse = |label: &'static str, message: String| {
+            self.metrics.authentications.inc(label);
+            tracing::warn!(label, %message, "an agent's certificate was refused");
+            Status::permission_denied(message)
+        };
+        let Some(node) = crate::agent_certs::node_of(certificate) else {
+            return Err(refuse(
+                "certificate_without_node",
+                format!(
+                    "the client certificate's subject is not CN={}<node>",
+                    crate::agent_certs::COMMON_NAME_PREFIX
+                ),
+            ));
+        };
+        let edge_nodes: kube::Api<edgefleet_shared::api::EdgeNode> =
+            kube::Api::all(self.client.clone());
+        let edge_node = edge_nodes.get_opt(&node).await.map_err(|error| {
+            self.metrics.authentications.inc("review_failed");
+            tracing::warn!(%error, "could not read the EdgeNode of an agent's certificate");
+            Status::unavailable(format!("could not check EdgeNode {node}"))
+        })?;
+        if let Err(denial) = crate::agent_certs::admit(&node, edge_node.as_ref()) {
+            return Err(refuse("certificate_not_allowed", denial.message));
+        }
+        self.metrics.authentications.inc("certificate");
+        Ok(Authenticated {
+            node,
+            proof: Proof::Certificate,
+        })
+    }
+
     /// The node the stream's token is bound to (`None` when Hellos are
     /// believed), counted by outcome.
     async fn authenticate(&self, metadata: &MetadataMap) -> Result<Option<Authenticated>, Status> {
@@ -395,8 +442,10 @@ impl SyncService {
                 })?
                 .map(|node| Authenticated {
                     node,
-                    token: token.to_owned(),
-                    reviews: Arc::clone(reviews),
+                    proof: Proof::Token {
+                        token: token.to_owned(),
+                        reviews: Arc::clone(reviews),
+                    },
                 }),
         };
         match verdict {
@@ -555,13 +604,15 @@ impl Driver {
             Err::<(), _>(Ended::Silent(silent))
         };
         let revoked = async {
-            let Some(identity) = &identity else {
+            let Some(Authenticated {
+                node,
+                proof: Proof::Token { token, reviews },
+            }) = &identity
+            else {
+                // A certificate's node is checked again at the next connect.
                 return std::future::pending().await;
             };
-            let refusal = identity
-                .reviews
-                .revoked(&identity.token, &identity.node, recheck)
-                .await;
+            let refusal = reviews.revoked(token, node, recheck).await;
             metrics.authentications.inc("revoked");
             Err::<(), _>(Ended::Revoked(refusal))
         };

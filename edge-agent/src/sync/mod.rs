@@ -77,14 +77,33 @@ pub struct CloudTls {
     pub ca_file: std::path::PathBuf,
     /// The name the certificate must carry, when it is not the URL's host.
     pub server_name: Option<String>,
+    /// The agent's own client certificate and key (PEM files), for an agent
+    /// that is not a pod and proves its node with a certificate of the
+    /// signer `edgefleet.io/agent`; read again on every connect, so a
+    /// renewed certificate is taken without a restart.
+    pub client_certificate: Option<ClientCertificate>,
+}
+
+/// Where an agent's client certificate and key are.
+#[derive(Clone, Debug)]
+pub struct ClientCertificate {
+    /// The certificate (PEM).
+    pub cert_file: std::path::PathBuf,
+    /// Its private key (PEM).
+    pub key_file: std::path::PathBuf,
 }
 
 impl CloudTls {
-    /// The tonic TLS configuration, with the CA bundle as it is now.
+    /// The tonic TLS configuration, with the files as they are now.
     fn config(&self) -> std::io::Result<tonic::transport::ClientTlsConfig> {
         let ca = std::fs::read(&self.ca_file)?;
-        let config = tonic::transport::ClientTlsConfig::new()
+        let mut config = tonic::transport::ClientTlsConfig::new()
             .ca_certificate(tonic::transport::Certificate::from_pem(ca));
+        if let Some(own) = &self.client_certificate {
+            let cert = std::fs::read(&own.cert_file)?;
+            let key = std::fs::read(&own.key_file)?;
+            config = config.identity(tonic::transport::Identity::from_pem(cert, key));
+        }
         Ok(match &self.server_name {
             Some(name) => config.domain_name(name.clone()),
             None => config,
