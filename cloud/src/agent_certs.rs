@@ -40,13 +40,12 @@ use rcgen::{
 use serde_json::json;
 
 use crate::status::FIELD_MANAGER;
+use crate::sync::is_node_name;
 use edgefleet_shared::telemetry::Outcomes;
 
-/// The signer name agents' CSRs carry.
-pub const SIGNER: &str = "edgefleet.io/agent";
-
-/// The subject's common name is this followed by the EdgeNode's name.
-pub const COMMON_NAME_PREFIX: &str = "edgefleet:agent:";
+pub use edgefleet_shared::api::edge_node::{
+    AGENT_COMMON_NAME_PREFIX as COMMON_NAME_PREFIX, AGENT_SIGNER as SIGNER,
+};
 
 /// The longest a certificate is valid; an agent renews well before.
 pub const MAX_VALIDITY: Duration = Duration::from_secs(30 * 24 * 3600);
@@ -107,7 +106,7 @@ pub fn read(spec: &CertificateSigningRequestSpec) -> Result<Request, Denial> {
     let node = common_name
         .as_deref()
         .and_then(|cn| cn.strip_prefix(COMMON_NAME_PREFIX))
-        .filter(|node| valid_node_name(node))
+        .filter(|node| is_node_name(node))
         .ok_or_else(|| {
             deny(
                 "WrongSubject",
@@ -141,17 +140,6 @@ fn dn_text(value: &DnValue) -> Option<String> {
     }
 }
 
-/// A Kubernetes object name (a DNS subdomain).
-fn valid_node_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 253
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
-        && name.starts_with(|c: char| c.is_ascii_alphanumeric())
-        && name.ends_with(|c: char| c.is_ascii_alphanumeric())
-}
-
 /// The node a client certificate of this signer names: its subject's
 /// common name after [`COMMON_NAME_PREFIX`]. (The sync server calls it
 /// only on a certificate its TLS handshake verified against the agents'
@@ -164,7 +152,7 @@ pub fn node_of(certificate: &rustls::pki_types::CertificateDer<'_>) -> Option<St
         return None;
     }
     cn.strip_prefix(COMMON_NAME_PREFIX)
-        .filter(|node| valid_node_name(node))
+        .filter(|node| is_node_name(node))
         .map(str::to_owned)
 }
 

@@ -463,7 +463,7 @@ impl SyncService {
 }
 
 /// A Kubernetes node name: a DNS-1123 subdomain.
-fn is_node_name(name: &str) -> bool {
+pub(crate) fn is_node_name(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 253
         && name.split('.').all(|label| {

@@ -17,15 +17,13 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Parser;
+use edgefleet_shared::api::edge_node::{AGENT_COMMON_NAME_PREFIX, AGENT_SIGNER};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::certificates::v1::{
     CertificateSigningRequest, CertificateSigningRequestSpec,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use rcgen::{CertificateParams, DistinguishedName, DnType, KeyPair};
-
-/// The signer; see the controller's `agent_certs`.
-const SIGNER: &str = "edgefleet.io/agent";
 
 #[derive(Debug, Parser)]
 #[command(
@@ -52,7 +50,10 @@ fn main() -> anyhow::Result<()> {
     let key = KeyPair::generate().context("make a key")?;
     let mut params = CertificateParams::default();
     let mut subject = DistinguishedName::new();
-    subject.push(DnType::CommonName, format!("edgefleet:agent:{}", cli.node));
+    subject.push(
+        DnType::CommonName,
+        format!("{AGENT_COMMON_NAME_PREFIX}{}", cli.node),
+    );
     params.distinguished_name = subject;
     let request = params.serialize_request(&key).context("make the request")?;
     let key_path = cli.dir.join("tls.key");
@@ -80,7 +81,7 @@ fn main() -> anyhow::Result<()> {
         },
         spec: CertificateSigningRequestSpec {
             request: ByteString(request.pem().context("encode the request")?.into_bytes()),
-            signer_name: SIGNER.to_owned(),
+            signer_name: AGENT_SIGNER.to_owned(),
             usages: Some(vec!["client auth".into(), "digital signature".into()]),
             expiration_seconds: Some(cli.expiration_seconds),
             ..Default::default()

@@ -62,6 +62,13 @@ pub struct EdgeNodeSpec {
     pub agent_credentials: Option<AgentCredentials>,
 }
 
+/// The CertificateSigningRequest signer of agents' client certificates.
+pub const AGENT_SIGNER: &str = "edgefleet.io/agent";
+
+/// An agent's certificate names its node as the subject's common name:
+/// this, followed by the EdgeNode's name.
+pub const AGENT_COMMON_NAME_PREFIX: &str = "edgefleet:agent:";
+
 /// How an agent proves which node it serves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub enum AgentCredentials {
