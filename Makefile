@@ -4,7 +4,7 @@ CARGO ?= cargo
 
 CERTS_DIR ?= .certs
 
-.PHONY: test lint crds certs controlplane up bench bench-resync bench-ingest bench-rollout bench-rules bench-auth
+.PHONY: test lint crds certs controlplane image up bench bench-resync bench-ingest bench-rollout bench-rules bench-auth
 
 ## Build (or reuse) the local control plane, then run every test.
 test: controlplane
@@ -27,6 +27,16 @@ certs:
 ## The kube-apiserver + etcd binary the tests run (cached after the first build).
 controlplane:
 	@bash tests/controlplane/build.sh >/dev/null
+
+## The agent's container image from the release binary, as an OCI archive
+## to load on nodes without a registry (deploy/README.md). Needs umoci.
+AGENT_IMAGE ?= ghcr.io/edgefleet/edgefleet-agent
+AGENT_TAG ?= 0.1.0
+IMAGE_OUT ?= target/images/edgefleet-agent-$(AGENT_TAG).oci.tar
+image:
+	$(CARGO) build --locked --release -p edgefleet-agent --bin edgefleet-agent
+	bash deploy/image/build.sh $(IMAGE_OUT) $(AGENT_IMAGE) $(AGENT_TAG) 65532:65532 \
+		/usr/local/bin/edgefleet-agent target/release/edgefleet-agent=/usr/local/bin/edgefleet-agent
 
 ## The whole system on this machine with ~300 simulated devices and a live
 ## fleet view, until Ctrl-C (uses $KUBECONFIG's cluster when set).

@@ -132,12 +132,14 @@ fn answer(status: Result<(), Vec<String>>, fine: &str) -> (StatusCode, String) {
 }
 
 /// Structured logs to stderr, filtered by `RUST_LOG` (default: `info`, with
-/// the embedded broker's per-connection chatter at `warn`).
+/// the embedded broker's per-connection chatter at `warn`). Colours only on
+/// a terminal: a container's log file or a journal gets plain text.
 pub fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,rumqttd=warn"));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .init();
 }

@@ -22,7 +22,9 @@ pub mod edge_events;
 pub mod fault;
 pub mod final_state;
 pub mod fleet_view;
+pub mod manifests;
 pub mod mosquitto;
+pub mod node;
 pub mod powercut_fs;
 pub mod process;
 pub mod rollout_timeline;
@@ -643,7 +645,7 @@ fn free_space(dir: &Path) -> String {
     }
 }
 
-fn tail(path: &Path, lines: usize) -> String {
+pub(crate) fn tail(path: &Path, lines: usize) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let all: Vec<&str> = text.lines().collect();
     all[all.len().saturating_sub(lines)..].join("\n")

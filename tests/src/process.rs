@@ -92,7 +92,19 @@ impl Process {
         envs: &[(&str, String)],
         log: Option<&Path>,
     ) -> anyhow::Result<Process> {
-        let mut command = Command::new(self::binary(binary));
+        Self::spawn_logged(&self::binary(binary), binary, args, envs, log)
+    }
+
+    /// Starts the program at `path`, called `name` in errors; its output
+    /// goes to `log` if given (else to ours).
+    pub fn spawn_logged(
+        path: &Path,
+        name: &str,
+        args: &[String],
+        envs: &[(&str, String)],
+        log: Option<&Path>,
+    ) -> anyhow::Result<Process> {
+        let mut command = Command::new(path);
         command.args(args).stdin(Stdio::null());
         for (k, v) in envs {
             command.env(k, v);
@@ -102,9 +114,11 @@ impl Process {
                 std::fs::File::create(log).with_context(|| format!("create {}", log.display()))?;
             command.stdout(file.try_clone()?).stderr(file);
         }
-        let child = command.spawn()?;
+        let child = command
+            .spawn()
+            .with_context(|| format!("start {}", path.display()))?;
         Ok(Process {
-            name: binary.to_owned(),
+            name: name.to_owned(),
             child,
         })
     }
