@@ -20,7 +20,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use edgefleet_shared::api::EdgeNode;
 use edgefleet_shared::api::edge_node::AgentCredentials;
@@ -154,6 +154,46 @@ pub fn node_of(certificate: &rustls::pki_types::CertificateDer<'_>) -> Option<St
     cn.strip_prefix(COMMON_NAME_PREFIX)
         .filter(|node| is_node_name(node))
         .map(str::to_owned)
+}
+
+/// When a client certificate stops being valid.
+pub fn not_after(certificate: &rustls::pki_types::CertificateDer<'_>) -> Option<SystemTime> {
+    let (_, parsed) = x509_parser::parse_x509_certificate(certificate).ok()?;
+    let seconds = u64::try_from(parsed.validity().not_after.timestamp()).ok()?;
+    Some(SystemTime::UNIX_EPOCH + Duration::from_secs(seconds))
+}
+
+/// While a session of `node` runs on a certificate valid until
+/// `not_after`: reads its EdgeNode every `every` and returns why the
+/// session must end once the EdgeNode no longer takes certificates (or is
+/// gone), or the certificate expired. A read that fails is no verdict.
+pub async fn withdrawn(
+    edge_nodes: &Api<EdgeNode>,
+    node: &str,
+    not_after: SystemTime,
+    every: Duration,
+) -> String {
+    let left = not_after
+        .duration_since(SystemTime::now())
+        .unwrap_or_default();
+    let expiry = tokio::time::sleep(left);
+    tokio::pin!(expiry);
+    loop {
+        tokio::select! {
+            () = &mut expiry => return "its client certificate expired".into(),
+            () = tokio::time::sleep(every) => {}
+        }
+        match edge_nodes.get_opt(node).await {
+            Ok(edge_node) => {
+                if let Err(denial) = admit(node, edge_node.as_ref()) {
+                    return denial.message;
+                }
+            }
+            Err(error) => {
+                tracing::debug!(%node, %error, "could not read the EdgeNode of a certificate session")
+            }
+        }
+    }
 }
 
 /// Whether `node` may have a client certificate: an operator created its

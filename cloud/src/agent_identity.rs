@@ -297,8 +297,14 @@ pub enum Proof {
         reviews: Arc<TokenReviews>,
     },
     /// A client certificate of the signer `edgefleet.io/agent`, for an
-    /// EdgeNode that takes certificates (checked at every connect).
-    Certificate,
+    /// EdgeNode that takes certificates: checked at every connect and again
+    /// while the session runs, which ends when the certificate expires.
+    Certificate {
+        /// When the certificate stops being valid.
+        not_after: std::time::SystemTime,
+        /// Where its EdgeNode is read again.
+        edge_nodes: Box<kube::Api<edgefleet_shared::api::EdgeNode>>,
+    },
 }
 
 #[cfg(test)]

@@ -239,7 +239,8 @@ fn pem_der(pem: &str) -> CertificateDer<'static> {
 /// its key and request, the controller signs it, and the agent, with no
 /// token, is served its node over TLS with that certificate. The same
 /// certificate naming another node is refused; once the operator takes
-/// `agentCredentials` off the EdgeNode, it is refused at the next connect.
+/// `agentCredentials` off the EdgeNode, its running session ends and its
+/// next connect is refused; a session also ends when the certificate expires.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_with_a_signed_certificate_is_served_its_node_and_nothing_else() {
     let client = control_plane().client().await;
@@ -263,6 +264,9 @@ async fn an_agent_with_a_signed_certificate_is_served_its_node_and_nothing_else(
                 namespace: ns.clone(),
                 name: ACCOUNT.into(),
             },
+            // A running certificate session's EdgeNode is read again every
+            // second (a minute by default).
+            token_recheck: Duration::from_secs(1),
             ..in_process_controller(listener, &ns)
         },
     )
@@ -312,7 +316,16 @@ async fn an_agent_with_a_signed_certificate_is_served_its_node_and_nothing_else(
         .unwrap();
     let (type_, _, certificate) = decided(&client, &name).await;
     assert_eq!(type_, "Approved");
-    std::fs::write(host_dir.join("tls.crt"), certificate.unwrap()).unwrap();
+    let certificate = certificate.unwrap();
+    let not_after = agent_certs::not_after(&pem_der(&certificate)).unwrap();
+    let lifetime = not_after
+        .duration_since(std::time::SystemTime::now())
+        .unwrap();
+    assert!(
+        lifetime <= Duration::from_secs(3600) && lifetime > Duration::from_secs(3500),
+        "{lifetime:?}"
+    );
+    std::fs::write(host_dir.join("tls.crt"), certificate).unwrap();
 
     // The agent with it, and no token, holds its node's Device.
     let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
@@ -355,7 +368,6 @@ async fn an_agent_with_a_signed_certificate_is_served_its_node_and_nothing_else(
     })
     .await;
     assert!(authentications("certificate") >= 1);
-    running.abort();
 
     // Naming another node with it: refused.
     let other_store = Store::open(&dir.path().join("other")).unwrap().store;
@@ -366,8 +378,9 @@ async fn an_agent_with_a_signed_certificate_is_served_its_node_and_nothing_else(
     .await;
     other.abort();
 
-    // The operator takes certificates away from the node: the next connect
-    // is refused.
+    // The operator takes certificates away from the node: the running
+    // session ends, and the agent's next connect is refused.
+    assert_eq!(authentications("revoked"), 0);
     edge_nodes
         .patch(
             &node,
@@ -376,11 +389,33 @@ async fn an_agent_with_a_signed_certificate_is_served_its_node_and_nothing_else(
         )
         .await
         .unwrap();
-    let again = agent(&node, &store);
+    eventually("the running certificate session ends", || async {
+        (authentications("revoked") >= 1).then_some(())
+    })
+    .await;
     eventually(
         "the certificate of a node that no longer takes them is refused",
         || async { (authentications("certificate_not_allowed") >= 1).then_some(()) },
     )
     .await;
-    again.abort();
+    running.abort();
+
+    // A session also ends when its certificate expires, whatever the
+    // EdgeNode says.
+    edge_nodes
+        .patch(
+            &node,
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "spec": { "agentCredentials": "ClientCertificate" } })),
+        )
+        .await
+        .unwrap();
+    let soon = std::time::SystemTime::now() + Duration::from_secs(1);
+    let reason = tokio::time::timeout(
+        Duration::from_secs(10),
+        agent_certs::withdrawn(&edge_nodes, &node, soon, Duration::from_secs(3600)),
+    )
+    .await
+    .expect("the session outlived its certificate");
+    assert!(reason.contains("expired"), "{reason}");
 }

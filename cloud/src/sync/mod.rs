@@ -29,7 +29,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::agent_identity::{self, AgentAuth, Authenticated, Proof, Refusal};
+use crate::agent_identity::{self, AgentAuth, Authenticated, Proof};
 use crate::agents::{Agents, delivered_to};
 use crate::device_events::DeviceEvents;
 use crate::edge_node::NodeStatus;
@@ -412,10 +412,21 @@ impl SyncService {
         if let Err(denial) = crate::agent_certs::admit(&node, edge_node.as_ref()) {
             return Err(refuse("certificate_not_allowed", denial.message));
         }
+        // rustls checked the validity period; this cannot fail on a
+        // certificate it accepted.
+        let not_after = crate::agent_certs::not_after(certificate).ok_or_else(|| {
+            refuse(
+                "certificate_without_node",
+                "an unreadable validity period".into(),
+            )
+        })?;
         self.metrics.authentications.inc("certificate");
         Ok(Authenticated {
             node,
-            proof: Proof::Certificate,
+            proof: Proof::Certificate {
+                not_after,
+                edge_nodes: Box::new(edge_nodes),
+            },
         })
     }
 
@@ -514,8 +525,8 @@ enum Ended {
     IndexClosed,
     #[error("agent silent for {0:?}")]
     Silent(Duration),
-    #[error("its token no longer holds: {0}")]
-    Revoked(Refusal),
+    #[error("its credentials no longer hold: {0}")]
+    Revoked(String),
 }
 
 impl Driver {
@@ -604,17 +615,23 @@ impl Driver {
             Err::<(), _>(Ended::Silent(silent))
         };
         let revoked = async {
-            let Some(Authenticated {
-                node,
-                proof: Proof::Token { token, reviews },
-            }) = &identity
-            else {
-                // A certificate's node is checked again at the next connect.
-                return std::future::pending().await;
+            let reason = match &identity {
+                None => return std::future::pending().await,
+                Some(Authenticated {
+                    node,
+                    proof: Proof::Token { token, reviews },
+                }) => reviews.revoked(token, node, recheck).await.to_string(),
+                Some(Authenticated {
+                    node,
+                    proof:
+                        Proof::Certificate {
+                            not_after,
+                            edge_nodes,
+                        },
+                }) => crate::agent_certs::withdrawn(edge_nodes, node, *not_after, recheck).await,
             };
-            let refusal = reviews.revoked(token, node, recheck).await;
             metrics.authentications.inc("revoked");
-            Err::<(), _>(Ended::Revoked(refusal))
+            Err::<(), _>(Ended::Revoked(reason))
         };
         let result: Result<(), Ended> = tokio::select! {
             ended = talk => ended,
