@@ -6,6 +6,7 @@
 //! token exactly as one from a real node.
 
 use std::path::Path;
+use std::time::Duration;
 
 use anyhow::Context;
 
@@ -153,4 +154,31 @@ async fn request_token(
 async fn ensure_account(client: &Client, namespace: &str, account: &str) -> anyhow::Result<()> {
     let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), namespace);
     crate::ensure_exists(&accounts, account).await
+}
+
+/// `token` (one the API server issued) with its validity moved `earlier`
+/// into the past and signed again with the API server's own ServiceAccount
+/// signing key (`sa_key_pem`, SEC1 P-256, as the test control plane keeps
+/// it): everything in it is as issued but the times, so with `earlier` past
+/// its lifetime it is an expired token, and with zero a valid one.
+pub fn resigned(token: &str, sa_key_pem: &str, earlier: Duration) -> anyhow::Result<String> {
+    use jsonwebtoken::{Algorithm, EncodingKey, Header};
+    use p256::pkcs8::EncodePrivateKey;
+    let issued = jsonwebtoken::dangerous::insecure_decode::<serde_json::Value>(token)?;
+    let mut claims = issued.claims;
+    for claim in ["iat", "nbf", "exp"] {
+        let at = claims[claim]
+            .as_u64()
+            .with_context(|| format!("the token has no {claim}"))?;
+        claims[claim] = at.saturating_sub(earlier.as_secs()).into();
+    }
+    let key = p256::SecretKey::from_sec1_pem(sa_key_pem).context("a SEC1 P-256 key")?;
+    let pkcs8 = key.to_pkcs8_der().context("the key as PKCS#8")?;
+    let mut header = Header::new(Algorithm::ES256);
+    header.kid = issued.header.kid;
+    Ok(jsonwebtoken::encode(
+        &header,
+        &claims,
+        &EncodingKey::from_ec_der(pkcs8.as_bytes()),
+    )?)
 }

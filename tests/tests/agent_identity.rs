@@ -2,8 +2,9 @@
 //! gRPC and a real kube-apiserver that issues and reviews the tokens: an
 //! agent is served only with a token of the agents' ServiceAccount bound to
 //! a pod on the node its Hello names. Every other caller is refused and
-//! counted, and gets no EdgeNode. A deleted pod's token stops working; the
-//! agent reads its token file again on every connect.
+//! counted, and gets no EdgeNode. An expired token is refused; a deleted
+//! pod's token stops working; the agent reads its token file again on every
+//! connect.
 
 use std::time::Duration;
 
@@ -13,7 +14,7 @@ use edgefleet_cloud::agent_identity::{AuthSettings, REVIEW_TTL};
 use edgefleet_cloud::run::{Controller, Settings};
 use edgefleet_shared::api::{Device, DeviceSpec, EdgeNode, Transport};
 use edgefleet_shared::{ResourceKey, proto};
-use edgefleet_tests::agent_tokens::{ACCOUNT, AUDIENCE, AgentPod, token};
+use edgefleet_tests::agent_tokens::{self, ACCOUNT, AUDIENCE, AgentPod, token};
 use edgefleet_tests::{
     agent_sync_settings, control_plane, eventually, in_process_controller, test_namespace,
 };
@@ -250,6 +251,29 @@ async fn tokens_that_do_not_prove_a_node_are_refused_and_counted() {
     assert_eq!(refused.code(), tonic::Code::Unauthenticated);
     assert_eq!(site.authentications("malformed_token"), 1);
     assert_eq!(site.controller.sync_metrics.token_reviews.get(), reviews);
+}
+
+/// A token the API server issued, but expired, is refused and counted. The
+/// same token signed again within its lifetime is served, so what refuses
+/// the other is its expiry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_token_is_refused_and_counted() {
+    let site = Site::start("identity-expired").await;
+    let node = node_name("edge-id-expired");
+    let pod = AgentPod::on(&site.client, &site.ns, &node).await.unwrap();
+    let key = std::fs::read_to_string(control_plane().data_dir().join("pki/sa.key")).unwrap();
+    let same = agent_tokens::resigned(&pod.token, &key, Duration::ZERO).unwrap();
+    site.open(Some(&same), &node)
+        .await
+        .expect("the token signed again within its lifetime is served");
+    // Its day-long lifetime ended a day ago.
+    let expired =
+        agent_tokens::resigned(&pod.token, &key, Duration::from_secs(2 * 24 * 3600)).unwrap();
+    let before = site.authentications("invalid_token");
+    let refused = site.open(Some(&expired), &node).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
+    assert!(refused.message().contains("expired"), "{refused:?}");
+    assert_eq!(site.authentications("invalid_token"), before + 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

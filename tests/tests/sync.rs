@@ -1303,9 +1303,10 @@ async fn a_message_over_the_size_limit_is_refused_and_counted_and_others_are_ser
         proto::sync_client::SyncClient::connect(format!("http://{}", setup.controller.sync_addr))
             .await
             .unwrap();
-    // A Hello of 4 MiB and more: refused from its length prefix.
+    // A Hello of 100 MiB (the limit is 4 MiB): refused from its length
+    // prefix, before the controller reads its body.
     let hello = proto::Hello {
-        node: "x".repeat(proto::MAX_MESSAGE_BYTES + 1),
+        node: "x".repeat(100 * 1024 * 1024),
         ..Default::default()
     };
     let message = agent_message(proto::agent_message::Kind::Hello(hello));
