@@ -150,11 +150,6 @@ impl Node {
         Ok(node)
     }
 
-    /// The node's name.
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-
     /// The kubelet's root directory (pods' volumes are under `pods/`).
     pub fn kubelet_dir(&self) -> PathBuf {
         self.dir.join("kubelet")

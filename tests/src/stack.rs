@@ -198,41 +198,9 @@ impl Stack {
     /// Creates the fleet's namespace if needed and applies its Devices
     /// (server-side apply, 16 at a time). Returns how many.
     pub async fn apply_devices(&self, client: &Client) -> anyhow::Result<usize> {
-        ensure_namespace(client, &self.spec.namespace).await?;
-        let mut listing = std::process::Command::new(binary("edgefleet-sim"));
-        listing.arg("devices").args(self.fleet_args());
-        for node in &self.spec.nodes {
-            listing.arg(format!("--node={node}"));
-        }
-        let out = listing.output().context("run edgefleet-sim devices")?;
-        if !out.status.success() {
-            bail!(
-                "edgefleet-sim devices failed: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        let devices: Vec<Device> = String::from_utf8(out.stdout)?
-            .lines()
-            .filter(|l| l.starts_with('{'))
-            .map(serde_json::from_str)
-            .collect::<Result<_, _>>()?;
-        let api: Api<Device> = Api::namespaced(client.clone(), &self.spec.namespace);
-        let params = PatchParams::apply(FIELD_MANAGER).force();
-        let applied = devices.len();
-        futures::stream::iter(devices)
-            .map(|device| {
-                let (api, params) = (api.clone(), params.clone());
-                async move {
-                    let name = device.metadata.name.clone().unwrap_or_default();
-                    api.patch(&name, &params, &Patch::Apply(&device))
-                        .await
-                        .with_context(|| format!("apply Device {name}"))
-                }
-            })
-            .buffer_unordered(16)
-            .try_for_each(|_| async { Ok(()) })
-            .await?;
-        Ok(applied)
+        let mut flags = self.fleet_args();
+        flags.extend(self.spec.nodes.iter().map(|node| format!("--node={node}")));
+        apply_sim_devices(client, &self.spec.namespace, &flags).await
     }
 
     /// Starts the simulator against the agents, with `extra` flags; its log
@@ -397,6 +365,50 @@ fn start_agent(dir: &Path, node: &str, args: &[String], restart: u32) -> anyhow:
         n => dir.join(format!("agent-{node}-{n}.log")),
     };
     Process::start_logged("edgefleet-agent", args, &[], Some(&log))
+}
+
+/// Creates `namespace` if needed and applies the Devices `edgefleet-sim
+/// devices` prints with `flags` (which name that namespace, the fleet and
+/// its nodes): server-side apply, 16 at a time. Returns how many.
+pub async fn apply_sim_devices(
+    client: &Client,
+    namespace: &str,
+    flags: &[String],
+) -> anyhow::Result<usize> {
+    ensure_namespace(client, namespace).await?;
+    let out = std::process::Command::new(binary("edgefleet-sim"))
+        .arg("devices")
+        .args(flags)
+        .output()
+        .context("run edgefleet-sim devices")?;
+    if !out.status.success() {
+        bail!(
+            "edgefleet-sim devices failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let devices: Vec<Device> = String::from_utf8(out.stdout)?
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?;
+    let api: Api<Device> = Api::namespaced(client.clone(), namespace);
+    let params = PatchParams::apply(FIELD_MANAGER).force();
+    let applied = devices.len();
+    futures::stream::iter(devices)
+        .map(|device| {
+            let (api, params) = (api.clone(), params.clone());
+            async move {
+                let name = device.metadata.name.clone().unwrap_or_default();
+                api.patch(&name, &params, &Patch::Apply(&device))
+                    .await
+                    .with_context(|| format!("apply Device {name}"))
+            }
+        })
+        .buffer_unordered(16)
+        .try_for_each(|_| async { Ok(()) })
+        .await?;
+    Ok(applied)
 }
 
 /// Creates `namespace` unless it exists.

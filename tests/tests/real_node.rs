@@ -29,7 +29,8 @@ use edgefleet_cloud::tls::TlsSettings;
 use edgefleet_shared::api::{Device, DevicePhase, EdgeNode};
 use edgefleet_tests::manifests::{Manifest, apply, find, install_manifests, manifests};
 use edgefleet_tests::node::{Node, build_image, repo_root};
-use edgefleet_tests::process::{Process, binary};
+use edgefleet_tests::process::Process;
+use edgefleet_tests::stack::apply_sim_devices;
 use edgefleet_tests::{
     FIELD_MANAGER, certs, control_plane, eventually_within, in_process_controller, test_namespace,
 };
@@ -206,7 +207,20 @@ async fn the_agent_daemonset_runs_on_a_real_node_proves_its_node_and_resumes_fro
     // Devices talk to the node's address and reach Applied.
     let address = node_address(&nodes).await;
     let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
-    apply_devices(&devices, &ns).await;
+    let applied = apply_sim_devices(
+        &client,
+        &ns,
+        &[
+            format!("--namespace={ns}"),
+            format!("--devices={DEVICES}"),
+            "--mqtt-every=2".into(),
+            "--models=thermostat".into(),
+            format!("--node={NODE}"),
+        ],
+    )
+    .await
+    .unwrap();
+    assert_eq!(applied, DEVICES);
     let mut sim = Process::start_logged(
         "edgefleet-sim",
         &[
@@ -454,38 +468,6 @@ async fn node_address(nodes: &Api<NodeObject>) -> String {
         .find(|a| a.type_ == "InternalIP")
         .map(|a| a.address)
         .expect("the node reports its InternalIP")
-}
-
-/// Applies the simulated fleet's Devices, all on the node.
-async fn apply_devices(devices: &Api<Device>, ns: &str) {
-    let out = std::process::Command::new(binary("edgefleet-sim"))
-        .args([
-            "devices".to_owned(),
-            format!("--namespace={ns}"),
-            format!("--devices={DEVICES}"),
-            "--mqtt-every=2".into(),
-            "--models=thermostat".into(),
-            format!("--node={NODE}"),
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let params = PatchParams::apply(FIELD_MANAGER);
-    for line in String::from_utf8(out.stdout).unwrap().lines() {
-        if !line.starts_with('{') {
-            continue;
-        }
-        let device: Device = serde_json::from_str(line).unwrap();
-        let name = device.metadata.name.clone().unwrap();
-        devices
-            .patch(&name, &params, &Patch::Apply(&device))
-            .await
-            .unwrap();
-    }
 }
 
 async fn all_applied(devices: &Api<Device>, what: &str) {
