@@ -68,6 +68,8 @@ impl Indexed {
             }),
             site_rollback: edgefleet_shared::rollout_member::site_rollback(device)
                 .map(|s| proto::SiteRollback::from(&s)),
+            site_pacing: edgefleet_shared::rollout_member::site_pacing(device)
+                .map(|s| proto::SitePacing::from(&s)),
         };
         Some((
             key,

@@ -535,14 +535,14 @@ impl Context {
         let now_ms = now.as_millisecond();
         // A start is a member's first change, or a retry of a change that
         // failed.
-        let starts = step.start.iter().filter_map(|&i| {
+        let starts = step.start.iter().zip(&step.pace).filter_map(|(&i, pace)| {
             let device = &members.devices[i];
             let input = &members.inputs[i];
             let patch = match (record(device), input.class) {
                 (Some(Ok(r)), Some(class)) if input.retry => {
                     rollout_member::retry(device, &r, class, now_ms)
                 }
-                _ => rollout_member::change(device, rollout, now_ms)?,
+                _ => rollout_member::change(device, rollout, pace.clone(), now_ms)?,
             };
             Some((i, patch))
         });

@@ -83,6 +83,9 @@ pub enum StatusChange {
         /// The agent rolled the device back on its own (boxed: rare, and
         /// it would make every change larger).
         edge_rollback: Option<Box<edgefleet_shared::site_rollback::EdgeRollback>>,
+        /// The agent holds the device's generation back (boxed, like
+        /// `edge_rollback`).
+        held_at_edge: Option<Box<edgefleet_shared::site_pacing::HeldAtEdge>>,
         /// What EdgeRules at the agent set on the device.
         overrides: Vec<edgefleet_shared::api::device::DeviceOverride>,
         /// When the agent received the report (Unix milliseconds).
@@ -650,6 +653,7 @@ pub fn next_status(
 ) -> DeviceStatus {
     let mut next = base.clone();
     let mut reported = false;
+    let mut held: Option<(i64, String)> = None;
     for change in changes {
         match change {
             StatusChange::Delivered {
@@ -734,6 +738,7 @@ pub fn next_status(
                 firmware_failure,
                 health,
                 edge_rollback,
+                held_at_edge,
                 overrides,
                 received_at_ms,
                 origin,
@@ -748,6 +753,9 @@ pub fn next_status(
                     next.last_report = Some(origin.clone());
                 }
                 reported = true;
+                held = held_at_edge
+                    .as_ref()
+                    .map(|h| (h.generation, h.message.clone()));
                 if let Some(failure) = firmware_failure {
                     set_condition(
                         &mut next.conditions,
@@ -795,6 +803,20 @@ pub fn next_status(
 
     let delivered = next.delivered_generation.is_some_and(|d| d >= generation);
     let applied = next.applied_generation.is_some_and(|a| a >= generation);
+    // Why the device has not applied it yet, if its agent holds it back:
+    // said by the latest report, or kept from the status until one comes.
+    let held = match reported {
+        true => held.filter(|(g, _)| *g == generation).map(|(_, m)| m),
+        false => next
+            .conditions
+            .iter()
+            .find(|c| {
+                c.type_ == condition::APPLIED
+                    && c.reason == condition::HELD_AT_SITE
+                    && c.observed_generation == Some(generation)
+            })
+            .map(|c| c.message.clone()),
+    };
     let failed = next.conditions.iter().any(|c| {
         c.type_ == condition::UPDATE_FAILED
             && c.status == "True"
@@ -827,19 +849,21 @@ pub fn next_status(
         generation,
         now,
     );
+    let shown_applied = format!(
+        "the device applied generation {}",
+        next.applied_generation.unwrap_or(0)
+    );
+    let (reason, message) = match (applied, &held) {
+        (true, _) => ("DeviceApplied", shown_applied.as_str()),
+        (false, Some(why)) => (condition::HELD_AT_SITE, why.as_str()),
+        (false, None) => ("NotYetApplied", shown_applied.as_str()),
+    };
     set_condition(
         &mut next.conditions,
         condition::APPLIED,
         applied,
-        if applied {
-            "DeviceApplied"
-        } else {
-            "NotYetApplied"
-        },
-        &format!(
-            "the device applied generation {}",
-            next.applied_generation.unwrap_or(0)
-        ),
+        reason,
+        message,
         generation,
         now,
     );
@@ -964,6 +988,7 @@ mod tests {
             firmware_failure: None,
             health: None,
             edge_rollback: None,
+            held_at_edge: None,
             overrides: Vec::new(),
             received_at_ms: ms,
             origin: None,
@@ -1066,6 +1091,7 @@ mod tests {
             firmware_failure: None,
             health: None,
             edge_rollback: None,
+            held_at_edge: None,
             overrides: Vec::new(),
             received_at_ms,
             origin: Some(ReportOrigin {
@@ -1206,6 +1232,69 @@ mod tests {
         assert!(!needs_write(&s1, &same_values));
         let new_values = next_status(&s1, &[report_from("a", 3, 25.0)], "u", 1, at(3));
         assert!(needs_write(&s1, &new_values));
+    }
+
+    #[test]
+    fn a_generation_held_at_the_edge_says_so_until_the_device_applies_it() {
+        let held = |report: StatusChange, generation: i64| match report {
+            StatusChange::Reported {
+                uid,
+                applied_generation,
+                properties,
+                firmware_version,
+                received_at_ms,
+                ..
+            } => StatusChange::Reported {
+                uid,
+                applied_generation,
+                properties,
+                firmware_version,
+                firmware_failure: None,
+                health: None,
+                edge_rollback: None,
+                held_at_edge: Some(Box::new(edgefleet_shared::site_pacing::HeldAtEdge {
+                    rollout: "fw-2".into(),
+                    generation,
+                    since_ms: 0,
+                    message: "held by the agent until site north has a place".into(),
+                })),
+                overrides: Vec::new(),
+                received_at_ms,
+                origin: None,
+            },
+            _ => unreachable!(),
+        };
+        let applied = |s: &DeviceStatus| {
+            let c = s.conditions.iter().find(|c| c.type_ == "Applied").unwrap();
+            (c.status.clone(), c.reason.clone())
+        };
+        // Generation 2 is held: the device still runs 1.
+        let s1 = next_status(
+            &DeviceStatus::default(),
+            &[held(report(1, 20.0, 1), 2)],
+            "u",
+            2,
+            at(1),
+        );
+        assert_eq!(
+            applied(&s1),
+            ("False".into(), condition::HELD_AT_SITE.into())
+        );
+        // A change without a report keeps the reason; a hold of another
+        // generation does not count.
+        let delivered = StatusChange::Delivered {
+            uid: "u".into(),
+            generation: 2,
+        };
+        let s2 = next_status(&s1, &[delivered], "u", 2, at(2));
+        assert_eq!(applied(&s2).1, condition::HELD_AT_SITE);
+        let s3 = next_status(&s2, &[held(report(1, 20.0, 3), 1)], "u", 2, at(3));
+        assert_eq!(applied(&s3), ("False".into(), "NotYetApplied".into()));
+        // Released, and applied.
+        let s4 = next_status(&s1, &[report(1, 20.0, 4)], "u", 2, at(4));
+        assert_eq!(applied(&s4), ("False".into(), "NotYetApplied".into()));
+        let s5 = next_status(&s4, &[report(2, 20.0, 5)], "u", 2, at(5));
+        assert_eq!(applied(&s5), ("True".into(), "DeviceApplied".into()));
     }
 
     #[test]

@@ -7,6 +7,8 @@
 //!   their desired state from;
 //! - [`mqtt`]: desired state out and MQTT devices' reports in, on the site
 //!   broker (embedded by default);
+//! - [`site_pacing`]: a rollout's per-site limit and canary, enforced by
+//!   the agent on the generations it holds back;
 //! - [`site_rollback`]: a rollout's per-site failure threshold, judged and
 //!   acted on by the agent while the cloud is unreachable;
 //! - [`rules`]: the EdgeRules the cloud sent, judged on every report and
@@ -17,6 +19,7 @@
 pub mod coap;
 pub mod mqtt;
 pub mod rules;
+pub mod site_pacing;
 pub mod site_rollback;
 pub mod store;
 pub mod sync;

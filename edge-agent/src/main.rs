@@ -267,6 +267,17 @@ async fn main() -> anyhow::Result<()> {
         "Devices this agent rolled back on its own: their site crossed a rollout's failure threshold while the cloud was unreachable",
         site_rollbacks.clone(),
     );
+    let pacing = edgefleet_agent::site_pacing::Metrics::default();
+    registry.register(
+        "site_pacing_released",
+        "Rollout generations this agent held back and then released: their site had a place",
+        pacing.released.clone(),
+    );
+    registry.register(
+        "site_pacing_held",
+        "Rollout generations this agent holds back now: their site is at its limit, or its canary has not succeeded",
+        pacing.held.clone(),
+    );
     let rule_metrics = Arc::new(edgefleet_agent::rules::RuleMetrics::default());
     rule_metrics.register(&mut registry);
     let gauges = {
@@ -311,6 +322,7 @@ async fn main() -> anyhow::Result<()> {
         () = mqtt::run(broker, cli.node.clone(), store.clone(), mqtt_metrics, mqtt_check) => {}
         () = gauges => {}
         () = edgefleet_agent::site_rollback::run(store.clone(), site_rollbacks) => {}
+        () = edgefleet_agent::site_pacing::run(store.clone(), pacing) => {}
         () = edgefleet_agent::rules::run(store.clone(), rule_metrics) => {}
         _ = shutdown_signal() => tracing::info!("shutting down"),
     }

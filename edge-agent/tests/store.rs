@@ -713,7 +713,20 @@ fn beside(dir: &std::path::Path) -> Vec<String> {
 /// Changes a closed store behind the agent's back, as a bad disk or another
 /// version of the agent would.
 fn tamper(dir: &std::path::Path, change: impl FnOnce(&sled::Db)) {
-    let db = sled::open(dir).unwrap();
+    // The store's flush thread may hold the lock a moment after the last
+    // handle is dropped (seen once under load): wait for it, boundedly.
+    let mut tries = 0;
+    let db = loop {
+        match sled::open(dir) {
+            Ok(db) => break db,
+            Err(error) if tries < 50 => {
+                tries += 1;
+                eprintln!("store still held ({error}); trying again");
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+            Err(error) => panic!("the closed store stays held: {error}"),
+        }
+    };
     change(&db);
     db.flush().unwrap();
 }
@@ -1213,4 +1226,134 @@ async fn a_site_past_its_threshold_is_rolled_back_by_the_agent_and_its_reports_s
     let held = store.desired(&keys[0]).unwrap().unwrap();
     assert!(held.rolled_back_at_edge.is_none());
     assert_eq!(held.to_wire().generation, 6);
+}
+
+#[tokio::test]
+async fn a_site_at_its_limit_holds_the_rest_and_releases_them_as_devices_finish() {
+    use edgefleet_agent::site_pacing::pace;
+    use edgefleet_shared::codec::{FirmwareFailure, FirmwareOrder};
+    use edgefleet_shared::site_pacing::{SitePace, SitePacing};
+    let tmp = tempfile::tempdir().unwrap();
+    let store = open(&tmp.path().join("store"));
+    let names = ["a", "b", "c", "d"];
+    let keys: Vec<ResourceKey> = names
+        .iter()
+        .map(|n| ResourceKey::device("plant", *n))
+        .collect();
+    let firmware = |v: &str| FirmwareOrder {
+        version: v.into(),
+        url: None,
+        sha256: None,
+    };
+    // Generation 4: what every device runs.
+    let before: Vec<(ResourceKey, DesiredDevice)> = keys
+        .iter()
+        .map(|k| {
+            let mut d = thermostat(&format!("u-{k}"), 4, 21.0);
+            d.firmware = Some(firmware("1.0.0"));
+            (k.clone(), d)
+        })
+        .collect();
+    store.apply(&before, &[]).await.unwrap();
+    // Generation 5, a rollout's: site north, 2 at a time, c its canary.
+    let rollout: Vec<(ResourceKey, DesiredDevice)> = keys
+        .iter()
+        .zip(names)
+        .map(|(k, name)| {
+            let mut d = thermostat(&format!("u-{k}"), 5, 21.0);
+            d.firmware = Some(firmware("2.0.0"));
+            d.site_pacing = Some(SitePacing {
+                rollout: "fw-2".into(),
+                rollout_uid: "r-1".into(),
+                pace: SitePace {
+                    site: "north".into(),
+                    limit: 2,
+                    canary: name == "c",
+                    timeout_seconds: 600,
+                },
+            });
+            (k.clone(), d)
+        })
+        .collect();
+    store.apply(&rollout, &[]).await.unwrap();
+    let told = |i: usize| store.desired(&keys[i]).unwrap().unwrap().to_wire();
+    for (i, name) in names.iter().enumerate() {
+        assert_eq!(told(i).generation, 4, "{name} arrives held");
+        assert_eq!(told(i).firmware.unwrap().version, "1.0.0");
+    }
+    // The canary goes first, alone.
+    let pass = pace(&store).await.unwrap();
+    assert_eq!(pass.released, vec![keys[2].clone()]);
+    assert_eq!(pass.held, 3);
+    assert_eq!(told(2).generation, 5);
+    assert_eq!(told(2).firmware.unwrap().version, "2.0.0");
+    assert!(pace(&store).await.unwrap().released.is_empty(), "once");
+    // A held device's report says it is held, and why.
+    store
+        .record_report(&keys[0], report(4, 20.0), 1_000)
+        .await
+        .unwrap();
+    let mark = store.latest_report(&keys[0]).unwrap().unwrap().held_at_edge;
+    let mark = mark.expect("the report carries the hold");
+    assert_eq!((mark.rollout.as_str(), mark.generation), ("fw-2", 5));
+    assert!(mark.message.contains("site north"), "{}", mark.message);
+    // A resync that sends generation 5 again changes nothing, and the store
+    // keeps all of it across a reopen.
+    store.apply(&rollout, &[]).await.unwrap();
+    drop(store);
+    let store = open(&tmp.path().join("store"));
+    let told = |i: usize| store.desired(&keys[i]).unwrap().unwrap().to_wire();
+    assert_eq!(
+        (0..4).map(|i| told(i).generation).collect::<Vec<_>>(),
+        vec![4, 4, 5, 4]
+    );
+    // The canary succeeds: two places, taken in name order.
+    let mut ok = report(5, 20.0);
+    ok.firmware_version = Some("2.0.0".into());
+    store.record_report(&keys[2], ok, 2_000).await.unwrap();
+    let pass = pace(&store).await.unwrap();
+    assert_eq!(pass.released, vec![keys[0].clone(), keys[1].clone()]);
+    assert_eq!(pass.held, 1);
+    assert!(
+        store
+            .latest_report(&keys[0])
+            .unwrap()
+            .unwrap()
+            .held_at_edge
+            .is_none(),
+        "the report went up again without the hold"
+    );
+    // Full while a and b update; a's install fails, which frees its place.
+    assert!(pace(&store).await.unwrap().released.is_empty());
+    let mut failed = report(5, 20.0);
+    failed.firmware_failure = Some(FirmwareFailure {
+        version: "2.0.0".into(),
+        reason: "checksum".into(),
+    });
+    store.record_report(&keys[0], failed, 3_000).await.unwrap();
+    let pass = pace(&store).await.unwrap();
+    assert_eq!(pass.released, vec![keys[3].clone()]);
+    assert_eq!(pass.held, 0);
+    assert_eq!(told(3).generation, 5);
+}
+
+#[tokio::test]
+async fn a_generation_without_pacing_is_never_held() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = open(&tmp.path().join("store"));
+    let key = ResourceKey::device("plant", "a");
+    store
+        .apply(&[(key.clone(), thermostat("u-a", 1, 21.0))], &[])
+        .await
+        .unwrap();
+    store
+        .apply(&[(key.clone(), thermostat("u-a", 2, 19.0))], &[])
+        .await
+        .unwrap();
+    assert_eq!(
+        store.desired(&key).unwrap().unwrap().to_wire().generation,
+        2
+    );
+    let pass = edgefleet_agent::site_pacing::pace(&store).await.unwrap();
+    assert_eq!(pass, Default::default());
 }

@@ -31,6 +31,7 @@ pub mod rollout_plan;
 pub mod rollout_step;
 pub mod rule_engine;
 pub mod rule_when;
+pub mod site_pacing;
 pub mod site_rollback;
 pub mod telemetry;
 pub mod topics;

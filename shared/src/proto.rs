@@ -221,7 +221,7 @@ mod site {
     //! Conversions of a site's part in a rollout.
     use std::collections::BTreeMap;
 
-    use super::{EdgeRollback, Firmware, SiteRollback};
+    use super::{EdgeRollback, Firmware, SitePacing, SiteRollback};
     use crate::api::device::FirmwareSpec;
     use crate::api::rollout::FailureClass;
     use crate::rollout_member::{Previous, SiteThreshold};
@@ -244,6 +244,39 @@ mod site {
         .into_iter()
         .find(|c| class_name(*c) == name)
         .ok_or_else(|| format!("unknown failure class {name:?}"))
+    }
+
+    impl From<&crate::site_pacing::SitePacing> for SitePacing {
+        fn from(s: &crate::site_pacing::SitePacing) -> Self {
+            SitePacing {
+                rollout: s.rollout.clone(),
+                rollout_uid: s.rollout_uid.clone(),
+                site: s.pace.site.clone(),
+                limit: s.pace.limit,
+                canary: s.pace.canary,
+                timeout_seconds: s.pace.timeout_seconds,
+            }
+        }
+    }
+
+    impl TryFrom<&SitePacing> for crate::site_pacing::SitePacing {
+        type Error = String;
+
+        fn try_from(s: &SitePacing) -> Result<Self, String> {
+            if s.limit == 0 {
+                return Err(format!("site {:?} has a limit of 0", s.site));
+            }
+            Ok(crate::site_pacing::SitePacing {
+                rollout: s.rollout.clone(),
+                rollout_uid: s.rollout_uid.clone(),
+                pace: crate::site_pacing::SitePace {
+                    site: s.site.clone(),
+                    limit: s.limit,
+                    canary: s.canary,
+                    timeout_seconds: s.timeout_seconds,
+                },
+            })
+        }
     }
 
     impl From<&pure::SiteRollback> for SiteRollback {
@@ -383,6 +416,27 @@ mod site {
             let mut bad = wire;
             bad.classes.push("Cosmic".into());
             assert!(pure::SiteRollback::try_from(&bad).is_err());
+        }
+
+        #[test]
+        fn a_site_pacing_survives_the_wire() {
+            let pacing = crate::site_pacing::SitePacing {
+                rollout: "fw-2".into(),
+                rollout_uid: "u-1".into(),
+                pace: crate::site_pacing::SitePace {
+                    site: "plant-a".into(),
+                    limit: 2,
+                    canary: true,
+                    timeout_seconds: 900,
+                },
+            };
+            let wire = SitePacing::from(&pacing);
+            assert_eq!(
+                crate::site_pacing::SitePacing::try_from(&wire).unwrap(),
+                pacing
+            );
+            let bad = SitePacing { limit: 0, ..wire };
+            assert!(crate::site_pacing::SitePacing::try_from(&bad).is_err());
         }
     }
 }

@@ -17,10 +17,12 @@ use serde_json::{Value, json};
 use crate::PropertyValue;
 use crate::api::device::{Device, DeviceSpec, FirmwareSpec, condition};
 use crate::api::rollout::{
-    FailureAction, FailureClass, FleetRollout, RollbackScope, RolloutTarget, ThresholdScope,
+    FailureAction, FailureClass, FleetRollout, FleetRolloutSpec, RollbackScope, RolloutTarget,
+    ThresholdScope,
 };
 use crate::health_check::HealthCheck;
 use crate::rollout_plan::MemberState;
+use crate::site_pacing::{SitePace, SitePacing};
 use crate::site_rollback::SiteRollback;
 
 /// The annotation of a Device that a rollout changed: a [`Record`] as JSON.
@@ -51,6 +53,10 @@ pub struct Record {
     /// the device's agent judges its site by it while the cloud is away.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub site: Option<SiteThreshold>,
+    /// The site's part of the plan, which the device's agent enforces
+    /// too (see [`crate::site_pacing`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pace: Option<SitePace>,
     /// What the change replaced.
     pub previous: Previous,
     /// Which attempt at the change this is: 1, then one more for each
@@ -179,6 +185,30 @@ pub fn site_rollback(device: &Device) -> Option<SiteRollback> {
     })
 }
 
+/// How `device`'s agent paces the generation a rollout made at its site,
+/// unless it was changed back.
+pub fn site_pacing(device: &Device) -> Option<SitePacing> {
+    let record = record(device)?.ok()?;
+    let current = record.generation.is_some() && record.generation == device.metadata.generation;
+    if !current || record.rolled_back {
+        return None;
+    }
+    Some(SitePacing {
+        pace: record.pace?,
+        rollout: record.rollout,
+        rollout_uid: record.uid,
+    })
+}
+
+/// How long a member of a rollout with `spec` may take from its change to
+/// an outcome before it counts as timed out, the bake time included.
+pub fn timeout_seconds(spec: &FleetRolloutSpec) -> u32 {
+    match &spec.health {
+        Some(h) => h.timeout_seconds.saturating_add(h.bake_seconds),
+        None => DEFAULT_TIMEOUT_SECONDS,
+    }
+}
+
 /// Whether `device`'s agent rolled back the generation `record` made, on
 /// its own (the Device's `RolledBack` condition of that generation).
 fn rolled_back_at_edge(device: &Device, record: &Record) -> bool {
@@ -219,8 +249,14 @@ fn applied(device: &Device, target: &RolloutTarget) -> bool {
 }
 
 /// The merge patch that gives `device` the target of `rollout` and records
-/// what it replaced. `None` if the Device carries the target already.
-pub fn change(device: &Device, rollout: &FleetRollout, now_ms: i64) -> Option<Value> {
+/// what it replaced, and `pace`, the site's part of the plan. `None` if the
+/// Device carries the target already.
+pub fn change(
+    device: &Device,
+    rollout: &FleetRollout,
+    pace: Option<SitePace>,
+    now_ms: i64,
+) -> Option<Value> {
     let target = &rollout.spec.target;
     if carries(&device.spec, target) {
         return None;
@@ -249,6 +285,7 @@ pub fn change(device: &Device, rollout: &FleetRollout, now_ms: i64) -> Option<Va
             bake_seconds: h.bake_seconds,
         }),
         site: SiteThreshold::of(rollout),
+        pace,
         previous,
         attempt: 1,
         last_failure: None,
@@ -519,7 +556,7 @@ mod tests {
     fn a_change_and_its_undo_put_the_spec_back_exactly() {
         let before = device();
         let r = rollout(60);
-        let patch = change(&before, &r, 1_000).unwrap();
+        let patch = change(&before, &r, None, 1_000).unwrap();
         let after = patched(&before, &patch);
         assert!(carries(&after.spec, &r.spec.target));
         let rec = record(&after).unwrap().unwrap();
@@ -532,7 +569,11 @@ mod tests {
                 ("setpoint".to_owned(), Some(PropertyValue::Float(21.0))),
             ])
         );
-        assert_eq!(change(&after, &r, 2_000), None, "it carries the target");
+        assert_eq!(
+            change(&after, &r, None, 2_000),
+            None,
+            "it carries the target"
+        );
         let undone = patched(&after, &undo(&rec));
         assert_eq!(
             undone.spec, before.spec,
@@ -552,7 +593,7 @@ mod tests {
             sha256: Some("0".repeat(64)),
         });
         let r = rollout(60);
-        let after = patched(&before, &change(&before, &r, 1).unwrap());
+        let after = patched(&before, &change(&before, &r, None, 1).unwrap());
         assert_eq!(after.spec.firmware, Some(firmware("2.0.0")));
         let rec = record(&after).unwrap().unwrap();
         let undone = patched(&after, &undo(&rec));
@@ -560,7 +601,7 @@ mod tests {
         // A device that had no firmware set gets none back.
         let mut bare = device();
         bare.spec.firmware = None;
-        let after = patched(&bare, &change(&bare, &r, 1).unwrap());
+        let after = patched(&bare, &change(&bare, &r, None, 1).unwrap());
         let undone = patched(&after, &undo(&record(&after).unwrap().unwrap()));
         assert_eq!(undone.spec.firmware, None);
     }
@@ -570,7 +611,7 @@ mod tests {
         let r = rollout(60);
         let mut d = device();
         assert_eq!(state(&d, &r, at(0)), (MemberState::Pending, None));
-        d = patched(&d, &change(&d, &r, 1_000).unwrap());
+        d = patched(&d, &change(&d, &r, None, 1_000).unwrap());
         d.metadata.generation = Some(4);
         assert_eq!(state(&d, &r, at(2_000)), (MemberState::Updating, None));
         reports(&mut d, 4, "2.0.0", 5_000);
@@ -603,7 +644,7 @@ mod tests {
         let mut r = rollout(60);
         r.spec.health = None;
         let mut d = device();
-        d = patched(&d, &change(&d, &r, 1_000).unwrap());
+        d = patched(&d, &change(&d, &r, None, 1_000).unwrap());
         d.metadata.generation = Some(4);
         reports(&mut d, 4, "2.0.0", 5_000);
         assert_eq!(state(&d, &r, at(5_000)), (MemberState::Succeeded, None));
@@ -632,7 +673,7 @@ mod tests {
     fn silence_past_the_time_out_and_an_install_failure_are_failures_of_their_class() {
         let r = rollout(0);
         let mut d = device();
-        d = patched(&d, &change(&d, &r, 1_000).unwrap());
+        d = patched(&d, &change(&d, &r, None, 1_000).unwrap());
         d.metadata.generation = Some(4);
         assert_eq!(
             state(&d, &r, at(1_000 + 600_001)),
@@ -649,7 +690,7 @@ mod tests {
     fn a_retry_gives_a_new_generation_a_fresh_time_out_and_keeps_what_to_put_back() {
         let before = device();
         let r = rollout(0);
-        let mut d = patched(&before, &change(&before, &r, 1_000).unwrap());
+        let mut d = patched(&before, &change(&before, &r, None, 1_000).unwrap());
         d.metadata.generation = Some(4);
         fail_install(&mut d, 4);
         assert_eq!(
@@ -728,7 +769,7 @@ mod tests {
 
         let mut other = rollout(60);
         other.metadata.uid = Some("another".into());
-        let d = patched(&device(), &change(&device(), &other, 1_000).unwrap());
+        let d = patched(&device(), &change(&device(), &other, None, 1_000).unwrap());
         assert_eq!(state(&d, &r, at(2_000)), (MemberState::Pending, None));
     }
 }

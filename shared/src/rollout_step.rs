@@ -17,7 +17,9 @@ use crate::api::rollout::{
     FailureAction, FailureClass, FleetRolloutSpec, OfflineAction, RollbackScope, RolloutPhase,
     ThresholdScope,
 };
+use crate::rollout_member::timeout_seconds;
 use crate::rollout_plan::{Member, MemberState, Plan, Summary};
+use crate::site_pacing::SitePace;
 
 /// What a step knows of one member.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -88,6 +90,10 @@ impl std::fmt::Display for Breach {
 pub struct Step {
     /// Members to change now (indices into the input), in plan order.
     pub start: Vec<usize>,
+    /// For each member in `start`, its site's part of the plan, which its
+    /// agent enforces too (`None` without failure domains, or for a member
+    /// with no site).
+    pub pace: Vec<Option<SitePace>>,
     /// Members to change back now.
     pub roll_back: Vec<usize>,
     /// The phase.
@@ -111,6 +117,7 @@ pub fn step(spec: &FleetRolloutSpec, members: &[MemberInput]) -> Step {
         // written past it is shown as invalid, and nothing moves.
         return Step {
             start: Vec::new(),
+            pace: Vec::new(),
             roll_back: Vec::new(),
             phase: RolloutPhase::Invalid,
             wave: None,
@@ -134,6 +141,7 @@ pub fn step(spec: &FleetRolloutSpec, members: &[MemberInput]) -> Step {
     let wave = (open < plan.stages).then(|| stage_name(open, plan.stages));
     let mut step = Step {
         start: Vec::new(),
+        pace: Vec::new(),
         roll_back: Vec::new(),
         phase: RolloutPhase::Progressing,
         wave,
@@ -266,6 +274,11 @@ pub fn step(spec: &FleetRolloutSpec, members: &[MemberInput]) -> Step {
         return step;
     }
     step.start = plan.to_start(&view);
+    step.pace = step
+        .start
+        .iter()
+        .map(|&i| site_pace(spec, &plan, &view, i))
+        .collect();
     let waiting = view
         .iter()
         .filter(|m| !m.reachable && !m.state.done())
@@ -367,6 +380,20 @@ fn judge(
         }
     }
     None
+}
+
+/// Member `i`'s site's part of `plan`, if the rollout has failure domains
+/// and the member a site.
+fn site_pace(spec: &FleetRolloutSpec, plan: &Plan, view: &[Member], i: usize) -> Option<SitePace> {
+    spec.strategy.failure_domain.as_ref()?;
+    let site = view[i].domain.clone()?;
+    let limit = plan.domain_max_unavailable[&view[i].domain];
+    Some(SitePace {
+        site,
+        limit: u32::try_from(limit).unwrap_or(u32::MAX),
+        canary: plan.domain_canary[i],
+        timeout_seconds: timeout_seconds(spec),
+    })
 }
 
 /// Whether `failed` of `sample` finished devices cross a threshold of
@@ -526,6 +553,40 @@ mod tests {
     fn condition(step: &Step, type_: &str) -> (bool, &'static str) {
         let c = step.conditions.iter().find(|c| c.type_ == type_).unwrap();
         (c.status, c.reason)
+    }
+
+    #[test]
+    fn every_start_carries_its_sites_part_of_the_plan() {
+        let mut spec = spec();
+        let domain = spec.strategy.failure_domain.as_mut().unwrap();
+        domain.canary = IntOrString::Int(1);
+        // 8 members, 4 per site: at most 1 of each site at once.
+        domain.max_unavailable = IntOrString::String("25%".into());
+        let first = step(&spec, &pending(8));
+        assert_eq!(first.start, [0]);
+        let pace = first.pace[0].clone().expect("a site's part");
+        assert_eq!(pace.site, "s0");
+        assert_eq!((pace.limit, pace.canary), (1, true));
+        assert_eq!(
+            pace.timeout_seconds,
+            crate::rollout_member::DEFAULT_TIMEOUT_SECONDS
+        );
+        let mut ms = pending(8);
+        for m in ms.iter_mut().take(2) {
+            set(m, MemberState::Succeeded, None);
+        }
+        let later = step(&spec, &ms);
+        assert_eq!(later.start.len(), later.pace.len());
+        assert!(
+            later
+                .pace
+                .iter()
+                .all(|p| p.as_ref().is_some_and(|p| !p.canary && p.limit == 1))
+        );
+        // Without failure domains nothing is paced at the site.
+        spec.strategy.failure_domain = None;
+        let plain = step(&spec, &pending(8));
+        assert!(!plain.start.is_empty() && plain.pace.iter().all(Option::is_none));
     }
 
     #[test]

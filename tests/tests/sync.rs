@@ -995,6 +995,7 @@ fn report_about(
         firmware_failure: None,
         health: None,
         edge_rollback: None,
+        held_at_edge: None,
         overrides: Vec::new(),
         received_at_ms: 1_700_000_000_000,
     };

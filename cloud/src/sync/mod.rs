@@ -781,7 +781,7 @@ impl Driver {
                         seq,
                         notify: done.clone(),
                     };
-                    match entry {
+                    match *entry {
                         Accepted::Status(key, change) => {
                             self.status.submit(key, change, Some(completion))
                         }

@@ -190,8 +190,8 @@ pub enum Effect {
     Uplink {
         /// Its sequence number.
         seq: u64,
-        /// What it is.
-        entry: Accepted,
+        /// What it is (boxed: a report is large, and most effects are not).
+        entry: Box<Accepted>,
     },
     /// Input refused and counted under this label; the session goes on.
     Counted(&'static str),
@@ -482,7 +482,10 @@ impl Session {
                 continue;
             }
             match self.accept(entry) {
-                Ok(entry) => effects.push(Effect::Uplink { seq, entry }),
+                Ok(entry) => effects.push(Effect::Uplink {
+                    seq,
+                    entry: Box::new(entry),
+                }),
                 Err(label) => {
                     // Refused for good: acknowledge it so the agent does
                     // not resend it forever.
@@ -635,6 +638,15 @@ impl Session {
             r.message = r.message.chars().take(MAX_HEALTH_MESSAGE).collect();
             Box::new(edgefleet_shared::site_rollback::EdgeRollback::from(r))
         });
+        let held_at_edge = report.held_at_edge.map(|mut h| {
+            h.message = h.message.chars().take(MAX_HEALTH_MESSAGE).collect();
+            Box::new(edgefleet_shared::site_pacing::HeldAtEdge {
+                rollout: h.rollout,
+                generation: h.generation,
+                since_ms: h.since_ms,
+                message: h.message,
+            })
+        });
         Ok(Accepted::Status(
             key,
             StatusChange::Reported {
@@ -646,6 +658,7 @@ impl Session {
                 firmware_failure,
                 health,
                 edge_rollback,
+                held_at_edge,
                 overrides,
                 received_at_ms: report.received_at_ms,
                 origin: (!self.store_id.is_empty()).then(|| ReportOrigin {

@@ -42,6 +42,7 @@ use edgefleet_shared::health_gate::HealthGate;
 use edgefleet_shared::key::ResourceKind;
 pub use edgefleet_shared::proto::Flow;
 use edgefleet_shared::rule_engine::{self, Override};
+use edgefleet_shared::site_pacing::{HeldAtEdge, SitePacing};
 use edgefleet_shared::site_rollback::{self, EdgeRollback, SiteRollback};
 use edgefleet_shared::{PropertyValue, ResourceKey, ResourceVersion, proto};
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
@@ -95,6 +96,17 @@ pub struct DesiredDevice {
     /// threshold while the cloud is away, if the rollout says.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub site_rollback: Option<SiteRollback>,
+    /// The site's part of the plan of the rollout that made this
+    /// generation, if the agent paces it (see [`crate::site_pacing`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub site_pacing: Option<SitePacing>,
+    /// Set while the agent holds this generation back: the device is told
+    /// what it was told before.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held_at_edge: Option<Held>,
+    /// When a paced generation was released to the device (Unix ms).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub released_at_ms: Option<i64>,
     /// Set once this agent rolled the device back on its own; lasts until
     /// the cloud sends another generation.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -114,6 +126,34 @@ pub struct DesiredDevice {
     pub chain: u32,
 }
 
+/// How a generation from the cloud arrives when the agent paces it: held,
+/// with what the device was told `before` (the pacer releases it when the
+/// site has a place), unless it is the generation held already (a resync
+/// sends it again) or there is nothing before it to keep the device on.
+fn pace_arrival(device: &mut DesiredDevice, before: Option<&DesiredDevice>, now_ms: i64) {
+    let Some(pacing) = &device.site_pacing else {
+        return;
+    };
+    let before = before.filter(|b| b.version.uid == device.version.uid);
+    match before {
+        Some(b) if b.version == device.version => {
+            device.held_at_edge = b.held_at_edge.clone();
+            device.released_at_ms = b.released_at_ms;
+        }
+        Some(b) => {
+            let state = match &b.held_at_edge {
+                Some(held) => held.state.clone(),
+                None => b.to_wire(),
+            };
+            device.held_at_edge = Some(Held {
+                mark: HeldAtEdge::new(pacing, device.version.generation, now_ms),
+                state,
+            });
+        }
+        None => device.released_at_ms = Some(now_ms),
+    }
+}
+
 fn is_zero<N: Default + PartialEq>(n: &N) -> bool {
     *n == N::default()
 }
@@ -125,6 +165,15 @@ pub struct RolledBackAtEdge {
     /// What it did, for the cloud.
     pub mark: EdgeRollback,
     /// The desired state put back.
+    pub state: DesiredState,
+}
+
+/// A generation held back: why, and what the device is told meanwhile.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Held {
+    /// Why, for the cloud.
+    pub mark: HeldAtEdge,
+    /// What the device was told before the held generation came.
     pub state: DesiredState,
 }
 
@@ -145,6 +194,9 @@ impl DesiredDevice {
             firmware: None,
             health_check: None,
             site_rollback: None,
+            site_pacing: None,
+            held_at_edge: None,
+            released_at_ms: None,
             rolled_back_at_edge: None,
             overrides: BTreeMap::new(),
             local: 0,
@@ -157,6 +209,9 @@ impl DesiredDevice {
     pub fn to_wire(&self) -> DesiredState {
         if let Some(back) = &self.rolled_back_at_edge {
             return back.state.clone();
+        }
+        if let Some(held) = &self.held_at_edge {
+            return held.state.clone();
         }
         DesiredState {
             generation: self.version.generation,
@@ -258,6 +313,10 @@ pub struct LatestReport {
     /// The agent rolled the device back on its own, if it did.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub edge_rollback: Option<EdgeRollback>,
+    /// The agent holds back the device's current generation, if it does
+    /// (boxed: rare, and reports are many).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held_at_edge: Option<Box<HeldAtEdge>>,
     /// The overrides of rules on the device when the report was stored.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub overrides: BTreeMap<String, Vec<Override>>,
@@ -552,6 +611,9 @@ pub struct Store {
     // Woken by a report of a device under a site rollback plan, and when
     // the link goes down (see crate::site_rollback).
     site_watch: Arc<Notify>,
+    // Woken by a paced generation's arrival and by a report of a paced
+    // device (see crate::site_pacing).
+    pace_watch: Arc<Notify>,
     // Every durable change of desired state, for the device-side publishers.
     desired_changes: broadcast::Sender<DesiredChange>,
     // Every device whose report became durable, for the rule engine.
@@ -890,6 +952,7 @@ impl Store {
             outbox_changed: Arc::new(Notify::new()),
             link_down_since: Arc::new(edgefleet_shared::now_unix_ms().into()),
             site_watch: Arc::new(Notify::new()),
+            pace_watch: Arc::new(Notify::new()),
             desired_changes: broadcast::Sender::new(DESIRED_CHANGES_BUFFER),
             reports: broadcast::Sender::new(DESIRED_CHANGES_BUFFER),
             rules_changed: Arc::new(Notify::new()),
@@ -1203,6 +1266,8 @@ impl Store {
             }
         }
         let upserts = devices;
+        let now = edgefleet_shared::now_unix_ms();
+        let paced = upserts.iter().any(|(_, d)| d.site_pacing.is_some());
         // Entries leave the outbox: the outbox's writers take turns.
         let outbox_state = self.lock_outbox();
         let trees = (
@@ -1219,9 +1284,15 @@ impl Store {
                     // object (read here, where no rule decision can slip in
                     // between).
                     let mut device = device.clone();
-                    if let Some(held) = desired.get(key.as_bytes())? {
-                        let held: DesiredDevice = decode(key.as_bytes(), &held)
-                            .map_err(ConflictableTransactionError::Abort)?;
+                    let before = match desired.get(key.as_bytes())? {
+                        Some(bytes) => Some(
+                            decode::<DesiredDevice>(key.as_bytes(), &bytes)
+                                .map_err(ConflictableTransactionError::Abort)?,
+                        ),
+                        None => None,
+                    };
+                    pace_arrival(&mut device, before.as_ref(), now);
+                    if let Some(held) = before {
                         if held.version.uid == device.version.uid {
                             device.overrides = held.overrides;
                             device.local = held.local;
@@ -1258,6 +1329,9 @@ impl Store {
         self.flusher.flush().await?;
         if !rules.is_empty() || removals.iter().any(|k| !k.is_device()) {
             self.rules_changed.notify_one();
+        }
+        if paced {
+            self.pace_watch.notify_one();
         }
         // Nobody listening is fine: publishers read the store when they start.
         let _ = self.desired_changes.send(DesiredChange {
@@ -1323,6 +1397,57 @@ impl Store {
     /// the link goes down.
     pub fn site_watch(&self) -> Arc<Notify> {
         Arc::clone(&self.site_watch)
+    }
+
+    /// Woken by a paced generation's arrival and by a report of a paced
+    /// device.
+    pub fn pace_watch(&self) -> Arc<Notify> {
+        Arc::clone(&self.pace_watch)
+    }
+
+    /// Releases the held generations of `devices` to them: each is told
+    /// its current desired state, and its latest report goes up again
+    /// without the hold. Skips devices not held or changed meanwhile;
+    /// returns those released.
+    pub async fn release_held(
+        &self,
+        devices: &[(ResourceKey, ResourceVersion)],
+    ) -> Result<Vec<ResourceKey>, StoreError> {
+        let now = edgefleet_shared::now_unix_ms();
+        let mut done = Vec::new();
+        for (key, version) in devices {
+            let k = key.to_string();
+            let Some(old) = self.desired.get(k.as_bytes())? else {
+                continue;
+            };
+            let mut device: DesiredDevice = decode(k.as_bytes(), &old)?;
+            if device.held_at_edge.is_none() || device.version != *version {
+                continue;
+            }
+            device.held_at_edge = None;
+            device.released_at_ms = Some(now);
+            // Only over what was read: a cloud update in between wins.
+            let swapped =
+                self.desired
+                    .compare_and_swap(k.as_bytes(), Some(old), Some(encode(&device)))?;
+            if swapped.is_err() {
+                continue;
+            }
+            if let Some(latest) = self.latest_report(key)? {
+                self.write_report(key, latest.report, latest.received_at_ms)?;
+            }
+            done.push(key.clone());
+        }
+        if done.is_empty() {
+            return Ok(done);
+        }
+        self.flusher.flush().await?;
+        self.outbox_changed.notify_one();
+        let _ = self.desired_changes.send(DesiredChange {
+            upserted: done.clone(),
+            removed: Vec::new(),
+        });
+        Ok(done)
     }
 
     /// Rolls `devices` back on the agent's own authority, with `message`:
@@ -1468,6 +1593,13 @@ impl Store {
         let edge_rollback = desired
             .as_ref()
             .and_then(|d| Some(d.rolled_back_at_edge.as_ref()?.mark.clone()));
+        let held_at_edge = desired
+            .as_ref()
+            .filter(|d| d.rolled_back_at_edge.is_none())
+            .and_then(|d| Some(Box::new(d.held_at_edge.as_ref()?.mark.clone())));
+        if desired.as_ref().is_some_and(|d| d.site_pacing.is_some()) {
+            self.pace_watch.notify_one();
+        }
         let overrides = desired
             .as_ref()
             .map(|d| d.overrides.clone())
@@ -1513,6 +1645,7 @@ impl Store {
                         && p.uid == uid
                         && p.health == health
                         && p.edge_rollback == edge_rollback
+                        && p.held_at_edge == held_at_edge
                         && p.overrides == overrides
                 }) {
                     let keepalive_due = link_up_since > 0
@@ -1539,6 +1672,7 @@ impl Store {
                     report: report.clone(),
                     health,
                     edge_rollback: edge_rollback.clone(),
+                    held_at_edge: held_at_edge.clone(),
                     overrides: overrides.clone(),
                 };
                 reported.insert(key.as_bytes(), encode(&latest))?;

@@ -280,6 +280,11 @@ fn desired_device(
         .as_ref()
         .map(edgefleet_shared::site_rollback::SiteRollback::try_from)
         .transpose()?;
+    let site_pacing = device
+        .site_pacing
+        .as_ref()
+        .map(edgefleet_shared::site_pacing::SitePacing::try_from)
+        .transpose()?;
     let desired = DesiredDevice {
         version,
         model: device.model.clone(),
@@ -288,6 +293,9 @@ fn desired_device(
         firmware,
         health_check,
         site_rollback,
+        site_pacing,
+        held_at_edge: None,
+        released_at_ms: None,
         rolled_back_at_edge: None,
         overrides: BTreeMap::new(),
         local: 0,
@@ -364,6 +372,12 @@ pub fn uplink_body(pending: PendingUplink) -> uplink_entry::Body {
                 message: h.message,
             }),
             edge_rollback: latest.edge_rollback.as_ref().map(proto::EdgeRollback::from),
+            held_at_edge: latest.held_at_edge.map(|h| *h).map(|h| proto::HeldAtEdge {
+                rollout: h.rollout,
+                generation: h.generation,
+                since_ms: h.since_ms,
+                message: h.message,
+            }),
             overrides: edgefleet_shared::rule_engine::shown(&latest.overrides)
                 .into_iter()
                 .map(|(property, o, in_force)| proto::RuleOverride {
@@ -575,6 +589,7 @@ mod tests {
             },
             health: None,
             edge_rollback: None,
+            held_at_edge: None,
             overrides: BTreeMap::new(),
         };
         let device = ResourceKey::device("plant", "a");

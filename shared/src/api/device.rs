@@ -300,4 +300,8 @@ pub mod condition {
     /// `RolledBack` reason: the site crossed the rollout's failure
     /// threshold while offline.
     pub const SITE_THRESHOLD_CROSSED: &str = "SiteThresholdCrossed";
+    /// Reason of `Applied` (False) while the device's agent holds its
+    /// generation back: its site is at a rollout's limit, or the site's
+    /// canary has not succeeded yet.
+    pub const HELD_AT_SITE: &str = "HeldAtSite";
 }

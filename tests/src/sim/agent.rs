@@ -252,6 +252,7 @@ impl Agent {
             report,
             health: None,
             edge_rollback: None,
+            held_at_edge: None,
             overrides: BTreeMap::new(),
         };
         self.current.latest.insert(key.clone(), latest);

@@ -202,7 +202,7 @@ impl Controller {
                 Effect::Refused { key, version, .. } => {
                     self.refusals.insert((key, version.to_string()));
                 }
-                Effect::Uplink { seq, entry } => self.pending_uplink.push((conn, id, seq, entry)),
+                Effect::Uplink { seq, entry } => self.pending_uplink.push((conn, id, seq, *entry)),
                 Effect::Counted(_) | Effect::Figures { .. } => {}
             }
         }
