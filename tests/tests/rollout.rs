@@ -1169,3 +1169,157 @@ async fn what_admission_cannot_check_the_controller_refuses_with_a_condition() {
     );
     sites.stack.shutdown();
 }
+
+/// A site sent more than its limit at once — as a controller with a stale
+/// view, or a second one that thinks it leads, would — holds the rest back
+/// at its agent and starts them one place at a time, canary first, and goes
+/// on doing so while it is cut off from the cloud.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_site_sent_more_than_its_limit_paces_itself_at_the_edge_also_while_cut_off() {
+    use edgefleet_shared::rollout_member::{Previous, RECORD_ANNOTATION, Record};
+    use edgefleet_shared::site_pacing::SitePace;
+    const INSTALL_MIN_MS: u64 = 2_000;
+    let logs = tempfile::tempdir().unwrap();
+    let applied_log = logs.path().join("applied.jsonl");
+    let sites = Sites::start(
+        "pace",
+        1,
+        4,
+        &[
+            "--install-time=2s..2500ms",
+            &format!("--applied-log={}", applied_log.display()),
+        ],
+    )
+    .await;
+    let mut names: Vec<String> = sites.site_of.keys().cloned().collect();
+    names.sort();
+    // All four changed at once, each recorded with the site's part of the
+    // plan: one at a time, the last device the site's canary. The canary
+    // is changed first, as a controller does: the agent gates the rest on
+    // the canaries it holds, so a canary sent after the others would come
+    // too late to go first.
+    let canary = names.last().unwrap().clone();
+    names.rotate_right(1);
+    let mut generations = BTreeMap::new();
+    for name in &names {
+        let d = sites.devices.get(name).await.unwrap();
+        let generation = d.metadata.generation.unwrap() + 1;
+        let record = Record {
+            rollout: "by-hand".into(),
+            uid: "not-a-rollout".into(),
+            changed_at_ms: edgefleet_shared::now_unix_ms(),
+            generation: Some(generation),
+            health: None,
+            site: None,
+            pace: Some(SitePace {
+                site: "site-0".into(),
+                limit: 1,
+                canary: *name == canary,
+                timeout_seconds: 600,
+            }),
+            previous: Previous::default(),
+            attempt: 1,
+            last_failure: None,
+            rolled_back: false,
+        };
+        let patch = json!({
+            "metadata": {
+                "annotations": { RECORD_ANNOTATION: serde_json::to_string(&record).unwrap() },
+            },
+            "spec": { "firmware": { "version": "2.0.0" } },
+        });
+        sites
+            .devices
+            .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .unwrap();
+        generations.insert(name.clone(), generation);
+    }
+    // The agent stores every one; the cloud shows the held ones as held.
+    eventually("every update stored, and three shown held", || async {
+        let list = sites.devices.list(&Default::default()).await.ok()?;
+        let delivered = list.items.iter().all(|d| {
+            d.status.as_ref().and_then(|s| s.delivered_generation) == d.metadata.generation
+        });
+        let held = list
+            .items
+            .iter()
+            .filter(|d| {
+                d.status.as_ref().is_some_and(|s| {
+                    s.conditions.iter().any(|c| {
+                        c.type_ == condition::APPLIED
+                            && c.reason == condition::HELD_AT_SITE
+                            && c.observed_generation == d.metadata.generation
+                    })
+                })
+            })
+            .count();
+        (delivered && held >= 2).then_some(())
+    })
+    .await;
+    let agent = &sites.stack.agents[0];
+    let metric = |name: &'static str| async move {
+        let (_, body) = edgefleet_tests::process::http_get(agent.metrics, "/metrics")
+            .await
+            .ok()?;
+        Some(edgefleet_tests::process::metric(&body, name))
+    };
+    // Cut off, the site goes on by itself: every device released.
+    agent.proxy.as_ref().unwrap().cut();
+    eventually_within(
+        Duration::from_secs(60),
+        "the agent released all four while cut off",
+        || async {
+            let released = metric("edgefleet_agent_site_pacing_released_total").await?;
+            let held = metric("edgefleet_agent_site_pacing_held").await?;
+            (released == 4.0 && held == 0.0).then_some(())
+        },
+    )
+    .await;
+    // One at a time, the canary first: each device applied the new
+    // generation at least one install time after the one before it.
+    let applied: Vec<(String, u64)> = eventually("all four applied it", || async {
+        let log = std::fs::read_to_string(&applied_log).ok()?;
+        let mut entries: Vec<(String, u64)> = log
+            .lines()
+            .filter_map(|l| {
+                let v: Value = serde_json::from_str(l).ok()?;
+                let device = v["device"].as_str()?.rsplit('/').next()?.to_owned();
+                let new = generations.get(&device) == Some(&v["generation"].as_i64()?);
+                new.then_some((device, v["at_ms"].as_u64()?))
+            })
+            .collect();
+        entries.sort_by_key(|(_, at)| *at);
+        (entries.len() == 4).then_some(entries)
+    })
+    .await;
+    assert_eq!(applied[0].0, canary, "{applied:?}");
+    for pair in applied.windows(2) {
+        assert!(
+            pair[1].1 - pair[0].1 >= INSTALL_MIN_MS,
+            "two devices were updating at once: {applied:?}"
+        );
+    }
+    // Back online, the cloud sees every device on the new firmware.
+    agent.proxy.as_ref().unwrap().heal();
+    eventually("every Device applied, none held", || async {
+        let list = sites.devices.list(&Default::default()).await.ok()?;
+        list.items
+            .iter()
+            .all(|d| {
+                let s = d.status.as_ref();
+                let on_it = s.and_then(|s| s.firmware_version.as_deref()) == Some("2.0.0");
+                let applied = s.is_some_and(|s| {
+                    s.conditions.iter().any(|c| {
+                        c.type_ == condition::APPLIED
+                            && c.status == "True"
+                            && c.observed_generation == d.metadata.generation
+                    })
+                });
+                on_it && applied
+            })
+            .then_some(())
+    })
+    .await;
+    sites.stack.shutdown();
+}
