@@ -3,9 +3,11 @@
 //! task releases it once the site has a place for it, by the rules of
 //! [`edgefleet_shared::site_pacing`]. It runs whether the cloud is there or
 //! not: what the site was sent goes on starting while the link is down,
-//! within the site's limit and behind its canary.
+//! within the site's limit and behind its canary — until the agent rolls
+//! the rollout back on its own (see [`crate::site_rollback`]), which stops
+//! it at this site.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use edgefleet_shared::site_pacing::{self, Pace, SitePacing};
@@ -93,6 +95,7 @@ struct Site {
 pub async fn pace(store: &Store) -> Result<Pass, StoreError> {
     let now = edgefleet_shared::now_unix_ms();
     let mut sites: BTreeMap<(String, String), Site> = BTreeMap::new();
+    let mut stopped = BTreeSet::new();
     for (key, device) in store.devices()? {
         let Some(SitePacing {
             rollout_uid, pace, ..
@@ -100,6 +103,9 @@ pub async fn pace(store: &Store) -> Result<Pass, StoreError> {
         else {
             continue;
         };
+        if device.rolled_back_at_edge.is_some() {
+            stopped.insert(rollout_uid.clone());
+        }
         let (state, due) = match (&device.held_at_edge, &device.rolled_back_at_edge) {
             (_, Some(_)) => (Pace::Finished, None),
             (Some(_), None) => (Pace::Held, None),
@@ -136,8 +142,13 @@ pub async fn pace(store: &Store) -> Result<Pass, StoreError> {
     }
     let mut release = Vec::new();
     let mut pass = Pass::default();
-    for site in sites.values() {
-        let chosen = site_pacing::release(site.limit, &site.members);
+    for ((rollout_uid, _), site) in &sites {
+        // A rollout this agent rolled back on its own stops here: nothing
+        // more of it starts until the cloud has its say.
+        let chosen = match stopped.contains(rollout_uid) {
+            true => Vec::new(),
+            false => site_pacing::release(site.limit, &site.members),
+        };
         let held = site
             .members
             .iter()

@@ -1338,6 +1338,83 @@ async fn a_site_at_its_limit_holds_the_rest_and_releases_them_as_devices_finish(
 }
 
 #[tokio::test]
+async fn a_rollout_rolled_back_at_the_edge_releases_nothing_more() {
+    use edgefleet_agent::site_pacing::pace;
+    use edgefleet_shared::rollout_member::{Previous, SiteThreshold};
+    use edgefleet_shared::site_pacing::{SitePace, SitePacing};
+    use edgefleet_shared::site_rollback::SiteRollback;
+    let tmp = tempfile::tempdir().unwrap();
+    let store = open(&tmp.path().join("store"));
+    let keys = [
+        ResourceKey::device("plant", "a"),
+        ResourceKey::device("plant", "b"),
+    ];
+    let at = |generation: i64, setpoint: f64| -> Vec<(ResourceKey, DesiredDevice)> {
+        keys.iter()
+            .map(|k| {
+                (
+                    k.clone(),
+                    thermostat(&format!("u-{k}"), generation, setpoint),
+                )
+            })
+            .collect()
+    };
+    store.apply(&at(1, 21.0), &[]).await.unwrap();
+    let mut rollout = at(2, 19.0);
+    for (_, d) in &mut rollout {
+        d.site_pacing = Some(SitePacing {
+            rollout: "cfg".into(),
+            rollout_uid: "r-1".into(),
+            pace: SitePace {
+                site: "north".into(),
+                limit: 1,
+                canary: false,
+                timeout_seconds: 600,
+            },
+        });
+        d.site_rollback = Some(SiteRollback {
+            rollout: "cfg".into(),
+            rollout_uid: "r-1".into(),
+            threshold: SiteThreshold {
+                percent: 50,
+                min_sample: 1,
+                classes: Vec::new(),
+                whole_site: false,
+            },
+            previous: Previous {
+                properties: BTreeMap::from([(
+                    "setpoint".to_owned(),
+                    Some(PropertyValue::Float(21.0)),
+                )]),
+                ..Previous::default()
+            },
+        });
+    }
+    store.apply(&rollout, &[]).await.unwrap();
+    assert_eq!(pace(&store).await.unwrap().released, vec![keys[0].clone()]);
+    // The agent rolls a back on its own (its site crossed the threshold
+    // while offline): b is not started, though a's place is free.
+    let a = store.desired(&keys[0]).unwrap().unwrap();
+    let done = store
+        .roll_back_at_edge(&[(keys[0].clone(), a.version)], "crossed")
+        .await
+        .unwrap();
+    assert_eq!(done.len(), 1);
+    let pass = pace(&store).await.unwrap();
+    assert!(pass.released.is_empty(), "{pass:?}");
+    assert_eq!(pass.held, 1);
+    assert_eq!(
+        store
+            .desired(&keys[1])
+            .unwrap()
+            .unwrap()
+            .to_wire()
+            .generation,
+        1
+    );
+}
+
+#[tokio::test]
 async fn a_generation_without_pacing_is_never_held() {
     let tmp = tempfile::tempdir().unwrap();
     let store = open(&tmp.path().join("store"));
