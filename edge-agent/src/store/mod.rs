@@ -1414,40 +1414,12 @@ impl Store {
         devices: &[(ResourceKey, ResourceVersion)],
     ) -> Result<Vec<ResourceKey>, StoreError> {
         let now = edgefleet_shared::now_unix_ms();
-        let mut done = Vec::new();
-        for (key, version) in devices {
-            let k = key.to_string();
-            let Some(old) = self.desired.get(k.as_bytes())? else {
-                continue;
-            };
-            let mut device: DesiredDevice = decode(k.as_bytes(), &old)?;
-            if device.held_at_edge.is_none() || device.version != *version {
-                continue;
-            }
-            device.held_at_edge = None;
+        self.act_at_edge(devices, |device| {
+            device.held_at_edge.take()?;
             device.released_at_ms = Some(now);
-            // Only over what was read: a cloud update in between wins.
-            let swapped =
-                self.desired
-                    .compare_and_swap(k.as_bytes(), Some(old), Some(encode(&device)))?;
-            if swapped.is_err() {
-                continue;
-            }
-            if let Some(latest) = self.latest_report(key)? {
-                self.write_report(key, latest.report, latest.received_at_ms)?;
-            }
-            done.push(key.clone());
-        }
-        if done.is_empty() {
-            return Ok(done);
-        }
-        self.flusher.flush().await?;
-        self.outbox_changed.notify_one();
-        let _ = self.desired_changes.send(DesiredChange {
-            upserted: done.clone(),
-            removed: Vec::new(),
-        });
-        Ok(done)
+            Some(())
+        })
+        .await
     }
 
     /// Rolls `devices` back on the agent's own authority, with `message`:
@@ -1462,18 +1434,10 @@ impl Store {
         message: &str,
     ) -> Result<Vec<ResourceKey>, StoreError> {
         let now = edgefleet_shared::now_unix_ms();
-        let mut done = Vec::new();
-        for (key, version) in devices {
-            let k = key.to_string();
-            let Some(old) = self.desired.get(k.as_bytes())? else {
-                continue;
-            };
-            let mut device: DesiredDevice = decode(k.as_bytes(), &old)?;
-            let Some(plan) = device.site_rollback.as_ref() else {
-                continue;
-            };
-            if device.rolled_back_at_edge.is_some() || device.version != *version {
-                continue;
+        self.act_at_edge(devices, |device| {
+            let plan = device.site_rollback.as_ref()?;
+            if device.rolled_back_at_edge.is_some() {
+                return None;
             }
             device.rolled_back_at_edge = Some(RolledBackAtEdge {
                 mark: EdgeRollback {
@@ -1484,7 +1448,32 @@ impl Store {
                 },
                 state: site_rollback::put_back(&device.to_wire(), &plan.previous),
             });
-            // Only over what was read: a cloud update in between wins.
+            Some(())
+        })
+        .await
+    }
+
+    /// Changes what `devices` are told on the agent's own authority:
+    /// `act` changes a device's stored state (`None`: not this one). Each
+    /// is changed only at the version given and over what was read (a
+    /// cloud update in between wins), its latest report goes up again
+    /// (it carries what the agent did), and the publishers are told.
+    /// Returns the devices changed.
+    async fn act_at_edge(
+        &self,
+        devices: &[(ResourceKey, ResourceVersion)],
+        mut act: impl FnMut(&mut DesiredDevice) -> Option<()>,
+    ) -> Result<Vec<ResourceKey>, StoreError> {
+        let mut done = Vec::new();
+        for (key, version) in devices {
+            let k = key.to_string();
+            let Some(old) = self.desired.get(k.as_bytes())? else {
+                continue;
+            };
+            let mut device: DesiredDevice = decode(k.as_bytes(), &old)?;
+            if device.version != *version || act(&mut device).is_none() {
+                continue;
+            }
             let swapped =
                 self.desired
                     .compare_and_swap(k.as_bytes(), Some(old), Some(encode(&device)))?;
@@ -1495,6 +1484,9 @@ impl Store {
                 self.write_report(key, latest.report, latest.received_at_ms)?;
             }
             done.push(key.clone());
+        }
+        if done.is_empty() {
+            return Ok(done);
         }
         self.flusher.flush().await?;
         self.outbox_changed.notify_one();
