@@ -75,6 +75,10 @@ struct Cli {
     /// At most this many CoAP observers of one device.
     #[arg(long, env = "EDGEFLEET_COAP_MAX_OBSERVERS_PER_DEVICE", default_value_t = ObserveSettings::default().max_observers_per_device)]
     coap_max_observers_per_device: usize,
+    /// At most this many CoAP requests handled at once; beyond, a request
+    /// is answered `5.03` with `Max-Age: 1` (counted as `overloaded`).
+    #[arg(long, env = "EDGEFLEET_COAP_MAX_REQUESTS_IN_FLIGHT", default_value_t = coap::MAX_REQUESTS_IN_FLIGHT)]
+    coap_max_requests_in_flight: usize,
     /// An external site broker (`mqtt://host:port`, e.g. Mosquitto). Without
     /// it the agent runs an embedded broker on --mqtt-listen.
     #[arg(long, env = "EDGEFLEET_MQTT_URL")]
@@ -310,13 +314,16 @@ async fn main() -> anyhow::Result<()> {
             }
         }
     };
-    let observe = ObserveSettings {
-        max_observers: cli.coap_max_observers,
-        max_observers_per_device: cli.coap_max_observers_per_device,
-        ..ObserveSettings::default()
+    let coap_settings = coap::CoapSettings {
+        observe: ObserveSettings {
+            max_observers: cli.coap_max_observers,
+            max_observers_per_device: cli.coap_max_observers_per_device,
+            ..ObserveSettings::default()
+        },
+        max_requests_in_flight: cli.coap_max_requests_in_flight.max(1),
     };
     tokio::select! {
-        served = coap::serve_with(coap_socket, store.clone(), coap_metrics, observe) => served.context("CoAP server")?,
+        served = coap::serve_with(coap_socket, store.clone(), coap_metrics, coap_settings) => served.context("CoAP server")?,
         served = telemetry::serve(metrics_listener, registry, readiness, health) => served.context("metrics server")?,
         () = sync::run(settings, store.clone()) => {}
         () = mqtt::run(broker, cli.node.clone(), store.clone(), mqtt_metrics, mqtt_check) => {}

@@ -61,7 +61,10 @@ impl Agent {
             socket,
             store.clone(),
             Arc::clone(&metrics),
-            settings,
+            coap::CoapSettings {
+                observe: settings,
+                ..Default::default()
+            },
         ));
         Agent {
             addr,

@@ -18,13 +18,21 @@
 //!   bounds the `GET` is answered without Observe (outcome
 //!   `observe_refused`). See [`observe`] for the design.
 //!
-//! Refusals carry the right code and a short text: `4.00` malformed,
-//! `4.04` unknown device or resource, `4.05` wrong method, `4.13` too large
-//! (with Size1 giving the limit). Each is counted by reason.
+//! Refusals carry the right code and a short text, never longer than the
+//! request (see [`checks`]): `4.00` malformed, `4.02` a critical option
+//! the agent does not implement, `4.04` unknown device or resource, `4.05`
+//! wrong method, `4.06` an Accept other than CBOR, `4.13` too large (with
+//! Size1 giving the limit), `4.15` a payload that says it is not CBOR. Each
+//! is counted by reason. At most [`MAX_REQUESTS_IN_FLIGHT`] requests are
+//! handled at once; beyond, a request is answered `5.03` with `Max-Age: 1`
+//! (outcome `overloaded`; `--coap-max-requests-in-flight`). An empty confirmable message (a CoAP ping) is
+//! answered with a Reset, as is any other confirmable message that is not
+//! a request (outcome `ping`, `rejected`).
 //!
 //! A confirmable request retransmitted with the same message id is answered
 //! from [`RecentExchanges`] and not processed twice.
 
+pub mod checks;
 pub mod observe;
 
 use std::collections::{HashMap, VecDeque};
@@ -52,6 +60,29 @@ pub const EXCHANGE_LIFETIME: Duration = Duration::from_secs(247);
 
 /// How many recent exchanges are remembered for de-duplication.
 pub const RECENT_EXCHANGES: usize = 16_384;
+
+/// How many requests are handled at once by default (each waits for a
+/// durable write at most); beyond, `5.03 Service Unavailable` with
+/// `Max-Age: 1`.
+pub const MAX_REQUESTS_IN_FLIGHT: usize = 512;
+
+/// The CoAP server's bounds.
+#[derive(Clone, Debug)]
+pub struct CoapSettings {
+    /// Observers (RFC 7641).
+    pub observe: ObserveSettings,
+    /// Requests handled at once.
+    pub max_requests_in_flight: usize,
+}
+
+impl Default for CoapSettings {
+    fn default() -> Self {
+        CoapSettings {
+            observe: ObserveSettings::default(),
+            max_requests_in_flight: MAX_REQUESTS_IN_FLIGHT,
+        }
+    }
+}
 
 /// What a request is for.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -192,6 +223,8 @@ struct Shared {
     // Woken when a confirmable notification goes out, so the retransmission
     // timer looks at the new deadline.
     in_flight: Notify,
+    // A permit per request being handled.
+    requests: Arc<tokio::sync::Semaphore>,
 }
 
 impl Shared {
@@ -222,13 +255,13 @@ impl Shared {
 }
 
 /// Serves CoAP on `socket` until the process ends, with the default
-/// [`ObserveSettings`].
+/// [`CoapSettings`].
 pub async fn serve(
     socket: UdpSocket,
     store: Store,
     metrics: Arc<CoapMetrics>,
 ) -> std::io::Result<()> {
-    serve_with(socket, store, metrics, ObserveSettings::default()).await
+    serve_with(socket, store, metrics, CoapSettings::default()).await
 }
 
 /// Serves CoAP on `socket` until the process ends.
@@ -236,7 +269,7 @@ pub async fn serve_with(
     socket: UdpSocket,
     store: Store,
     metrics: Arc<CoapMetrics>,
-    observe: ObserveSettings,
+    settings: CoapSettings,
 ) -> std::io::Result<()> {
     // Subscribed before the first request, so no change after a
     // registration can be missed.
@@ -250,8 +283,9 @@ pub async fn serve_with(
         store,
         metrics,
         exchanges: Mutex::new(RecentExchanges::default()),
-        observers: Mutex::new(Observers::new(observe, seed)),
+        observers: Mutex::new(Observers::new(settings.observe, seed)),
         in_flight: Notify::new(),
+        requests: Arc::new(tokio::sync::Semaphore::new(settings.max_requests_in_flight)),
     });
     tokio::select! {
         served = receive(Arc::clone(&shared)) => served,
@@ -290,6 +324,17 @@ async fn receive(shared: Arc<Shared>) -> std::io::Result<()> {
                     .acknowledged(peer, message_id, Instant::now());
                 continue;
             }
+            MessageType::Confirmable if !matches!(packet.header.code, MessageClass::Request(_)) => {
+                // A ping (empty), or a message this server cannot process:
+                // rejected with a Reset (RFC 7252 §4.2, §4.3).
+                let ping = packet.header.code == MessageClass::Empty;
+                shared
+                    .metrics
+                    .requests
+                    .inc(if ping { "ping" } else { "rejected" });
+                let _ = shared.socket.send_to(&reset(message_id), peer).await;
+                continue;
+            }
             _ if !matches!(packet.header.code, MessageClass::Request(_)) => continue,
             _ => {}
         }
@@ -315,10 +360,30 @@ async fn receive(shared: Arc<Shared>) -> std::io::Result<()> {
             }
         }
         // Each request in its own task, so one device's durable write does
-        // not hold up the next datagram and flushes can batch.
+        // not hold up the next datagram and flushes can batch; as many at
+        // once as there are permits.
+        let Ok(permit) = Arc::clone(&shared.requests).try_acquire_owned() else {
+            shared.metrics.requests.inc("overloaded");
+            let mut response = reply(&packet, ResponseType::ServiceUnavailable);
+            response.add_option(CoapOption::MaxAge, vec![1]);
+            if let Ok(bytes) = response.to_bytes() {
+                if confirmable {
+                    shared.exchanges.lock().expect("exchanges").answer(
+                        peer,
+                        message_id,
+                        bytes.clone(),
+                    );
+                }
+                let _ = shared.socket.send_to(&bytes, peer).await;
+            }
+            continue;
+        };
         let shared = Arc::clone(&shared);
         tokio::spawn(async move {
             let (outcome, response) = handle(&packet, peer, &shared).await;
+            // Handled: the place is free before the answer leaves, so a
+            // device that sends its next request on the answer finds it.
+            drop(permit);
             shared.metrics.requests.inc(outcome);
             let Ok(bytes) = response.to_bytes() else {
                 return;
@@ -432,17 +497,27 @@ async fn handle(request: &Packet, peer: SocketAddr, shared: &Shared) -> (&'stati
                 .collect::<Vec<_>>()
         })
         .unwrap_or_default();
-    let Some(route) = route(&path) else {
+    let route = route(&path);
+    let method = match request.header.code {
+        MessageClass::Request(method) => method,
+        _ => RequestType::UnKnown,
+    };
+    let (reads_payload, answers_with_payload) = match (&route, method) {
+        (Some(Route::Report(_)), RequestType::Post) => (true, false),
+        (Some(Route::Events(_)), RequestType::Post) => (true, true),
+        (Some(Route::Desired(_)), RequestType::Get) => (false, true),
+        _ => (false, false),
+    };
+    if let Err(refusal) = checks::check(request, reads_payload, answers_with_payload) {
+        return refuse(request, refusal.outcome, refusal.code, refusal.text);
+    }
+    let Some(route) = route else {
         return refuse(
             request,
             "unknown_resource",
             ResponseType::NotFound,
             "no such resource; use d/<namespace>/<name>/report, /events or /desired".into(),
         );
-    };
-    let method = match request.header.code {
-        MessageClass::Request(method) => method,
-        _ => RequestType::UnKnown,
     };
     match (route, method) {
         (Route::Report(key), RequestType::Post) => report(request, &shared.store, &key).await,
@@ -650,8 +725,19 @@ fn refuse(
 ) -> (&'static str, Packet) {
     let mut response = reply(request, code);
     response.set_content_format(ContentFormat::TextPlain);
-    response.payload = text.into_bytes();
+    let budget = request.to_bytes().map_or(0, |b| b.len());
+    response.payload = checks::short(text, budget).into_bytes();
     (outcome, response)
+}
+
+/// A Reset of message `message_id`: an empty message, no token.
+fn reset(message_id: u16) -> Vec<u8> {
+    let mut packet = Packet::new();
+    packet.header.set_version(1);
+    packet.header.set_type(MessageType::Reset);
+    packet.header.code = MessageClass::Empty;
+    packet.header.message_id = message_id;
+    packet.to_bytes().expect("an empty message encodes")
 }
 
 /// A response to `request`: piggybacked on the Ack for a confirmable one.
