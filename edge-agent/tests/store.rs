@@ -1275,7 +1275,13 @@ async fn a_site_at_its_limit_holds_the_rest_and_releases_them_as_devices_finish(
             (k.clone(), d)
         })
         .collect();
+    let mut changes = store.watch_desired();
     store.apply(&rollout, &[]).await.unwrap();
+    let change = changes.try_recv().unwrap();
+    assert!(
+        change.upserted.is_empty(),
+        "held: nothing new for the publishers to send"
+    );
     let told = |i: usize| store.desired(&keys[i]).unwrap().unwrap().to_wire();
     for (i, name) in names.iter().enumerate() {
         assert_eq!(told(i).generation, 4, "{name} arrives held");
@@ -1285,6 +1291,7 @@ async fn a_site_at_its_limit_holds_the_rest_and_releases_them_as_devices_finish(
     let pass = pace(&store).await.unwrap();
     assert_eq!(pass.released, vec![keys[2].clone()]);
     assert_eq!(pass.held, 3);
+    assert_eq!(changes.try_recv().unwrap().upserted, vec![keys[2].clone()]);
     assert_eq!(told(2).generation, 5);
     assert_eq!(told(2).firmware.unwrap().version, "2.0.0");
     assert!(pace(&store).await.unwrap().released.is_empty(), "once");

@@ -1277,8 +1277,12 @@ impl Store {
             &self.reports_out,
             &self.event_ids,
         );
+        // Devices whose new generation arrives held: what they are told
+        // does not change, so the publishers are not told either.
+        let held_now = std::cell::RefCell::new(std::collections::HashSet::new());
         let result =
             trees.transaction(|(desired, held_rules, reported, reports_out, event_ids)| {
+                held_now.borrow_mut().clear();
                 for (key, device) in &upserts {
                     // Overrides of rules at this agent stay on the same
                     // object (read here, where no rule decision can slip in
@@ -1292,6 +1296,9 @@ impl Store {
                         None => None,
                     };
                     pace_arrival(&mut device, before.as_ref(), now);
+                    if device.held_at_edge.is_some() {
+                        held_now.borrow_mut().insert(key.clone());
+                    }
                     if let Some(held) = before {
                         if held.version.uid == device.version.uid {
                             device.overrides = held.overrides;
@@ -1334,9 +1341,11 @@ impl Store {
             self.pace_watch.notify_one();
         }
         // Nobody listening is fine: publishers read the store when they start.
+        let held_now = held_now.into_inner();
         let _ = self.desired_changes.send(DesiredChange {
             upserted: upserts
                 .iter()
+                .filter(|(k, _)| !held_now.contains(k))
                 .map(|(k, _)| k.parse().expect("keys were ResourceKeys"))
                 .collect(),
             removed: removals.iter().filter(|k| k.is_device()).cloned().collect(),
