@@ -244,7 +244,11 @@ async fn an_observer_is_notified_of_each_change_until_it_deregisters() {
         let notification = device.notification().await;
         assert_eq!(code(&notification), ResponseType::Content);
         assert_eq!(notification.get_token(), b"obs1");
-        assert_eq!(notification.header.get_type(), MessageType::NonConfirmable);
+        // A change of desired state is confirmable: a lost one is sent again.
+        assert_eq!(notification.header.get_type(), MessageType::Confirmable);
+        device
+            .answer(MessageType::Acknowledgement, notification.header.message_id)
+            .await;
         assert_eq!(
             setpoint_of(&notification),
             (generation, PropertyValue::Float(setpoint))
@@ -258,7 +262,8 @@ async fn an_observer_is_notified_of_each_change_until_it_deregisters() {
     // Another device's change is not this observer's business.
     agent.set("t2", 2, 30.0).await;
     device.nothing_more().await;
-    assert_eq!(agent.metrics.notifications.get("non"), 2);
+    assert_eq!(agent.metrics.notifications.get("con"), 2);
+    assert_eq!(agent.metrics.notifications.get("retransmission"), 0);
 
     let deregistered = device.get("t1", Some(1)).await;
     assert_eq!(code(&deregistered), ResponseType::Content);
@@ -388,7 +393,7 @@ async fn confirmable_notifications_are_acknowledged_or_the_observer_is_dropped()
 }
 
 #[tokio::test]
-async fn registrations_beyond_the_bounds_are_answered_without_observe() {
+async fn a_device_at_its_cap_takes_the_newest_observer_and_beyond_the_total_one_is_refused() {
     let settings = ObserveSettings {
         max_observers: 2,
         max_observers_per_device: 1,
@@ -400,27 +405,27 @@ async fn registrations_beyond_the_bounds_are_answered_without_observe() {
     let mut third = Client::new(&agent, b"three").await;
 
     assert!(observe(&first.get("t1", Some(0)).await).is_some());
-    // The device's bound: answered, with the state, but not observed.
-    let refused = second.get("t1", Some(0)).await;
+    // The device's bound: the newer observer (a device back from a reboot
+    // on another port) takes the place of the least recently heard one.
+    let taken = second.get("t1", Some(0)).await;
+    assert_eq!(code(&taken), ResponseType::Content);
+    assert!(observe(&taken).is_some());
+    assert_eq!(agent.metrics.observe.get("evicted"), 1);
+    assert!(observe(&second.get("t2", Some(0)).await).is_some());
+    // The total bound: answered, with the state, but not observed.
+    let refused = third.get("t3", Some(0)).await;
     assert_eq!(code(&refused), ResponseType::Content);
     assert_eq!(observe(&refused), None);
     assert_eq!(setpoint_of(&refused), (1, PropertyValue::Float(20.0)));
     assert_eq!(agent.metrics.requests.get("observe_refused"), 1);
-    // Renewing an existing observation is not over the bound.
-    assert!(observe(&first.get("t1", Some(0)).await).is_some());
-    assert!(observe(&second.get("t2", Some(0)).await).is_some());
-    // The total bound.
-    let refused = third.get("t3", Some(0)).await;
-    assert_eq!(observe(&refused), None);
-    assert_eq!(agent.metrics.requests.get("observe_refused"), 2);
     assert_eq!(agent.metrics.observers.get(), 2);
 
     agent.set("t1", 2, 24.0).await;
     agent.set("t3", 2, 24.0).await;
     assert_eq!(
-        setpoint_of(&first.notification().await),
+        setpoint_of(&second.notification().await),
         (2, PropertyValue::Float(24.0))
     );
-    second.nothing_more().await;
+    first.nothing_more().await;
     third.nothing_more().await;
 }

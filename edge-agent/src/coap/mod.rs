@@ -181,7 +181,8 @@ pub struct CoapMetrics {
     /// `observe_refused`, `duplicate`, or the refusal reason).
     pub requests: Outcomes,
     /// Observers added and removed, by event: `registered`, `renewed`,
-    /// `refused`, `deregistered`, `reset`, `timed_out`, `device_removed`.
+    /// `refused`, `evicted` (the least recently heard one at a device's
+    /// cap), `deregistered`, `reset`, `timed_out`, `device_removed`.
     pub observe: Outcomes,
     /// Notifications sent, by kind: `non`, `con`, `retransmission`, `gone`.
     pub notifications: Outcomes,
@@ -614,6 +615,11 @@ fn desired(
         let mut observers = shared.observers();
         match observers.register(key, peer, token, Instant::now()) {
             Registration::Added { sequence: s } => {
+                shared.metrics.observe.inc("registered");
+                (outcome, sequence) = ("observe_registered", Some(s));
+            }
+            Registration::Replaced { sequence: s } => {
+                shared.metrics.observe.inc("evicted");
                 shared.metrics.observe.inc("registered");
                 (outcome, sequence) = ("observe_registered", Some(s));
             }

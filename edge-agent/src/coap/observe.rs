@@ -15,31 +15,39 @@
 //!   2^24 (§4.4 lets clients compare them in a window of 2^23 or 128 s). One
 //!   value per event, not per datagram, keeps the counter far from wrapping
 //!   within 128 s.
-//! - **Transmission.** Notifications are non-confirmable, except every
-//!   [`ObserveSettings::confirmable_every`]-th one to an observer and the first
-//!   one after [`ObserveSettings::confirmable_interval`] (24 h) without a sign
-//!   of life from it (registration or acknowledgement): §4.5 requires a
-//!   confirmable notification at least every 24 hours, so an observer that
-//!   went away without a reset does not stay forever. A confirmable
+//! - **Transmission.** Every [`ObserveSettings::confirmable_every`]-th
+//!   notification to an observer is confirmable (by default every one: a
+//!   desired state changes at the pace of people editing Devices, and a
+//!   lost non-confirmable one would leave the device on a stale state until
+//!   the next change), and so is the first one after
+//!   [`ObserveSettings::confirmable_interval`] (24 h) without a sign of life
+//!   from it (registration or acknowledgement): §4.5 requires a confirmable
+//!   notification at least every 24 hours, so an observer that went away
+//!   without a reset does not stay forever. A confirmable
 //!   notification is retransmitted like any CoAP message (RFC 7252 §4.2:
 //!   `ACK_TIMEOUT` times a factor in [1, 1.5), doubling, `MAX_RETRANSMIT`
 //!   times); if the last one is not acknowledged either, the observer is
 //!   removed (§4.5). An observer has at most one confirmable notification in
 //!   flight: a newer notification replaces it, goes out confirmable too and
 //!   keeps its retransmission counter and deadline (§4.5.2), so a client
-//!   that is gone is still dropped on time. The acknowledgement itself needs
-//!   no answer.
+//!   that is gone is still dropped on time. Only an acknowledgement of the
+//!   notification in flight confirms it: one of a notification it replaced
+//!   shows the client is alive, but the newer state goes on being sent. The
+//!   acknowledgement itself needs no answer.
 //! - **Reset.** A reset matching one of the last few notifications sent to an
 //!   observer, confirmable or not, removes it (§3.6).
 //! - **Removal.** When the device leaves the node, each observer gets one
 //!   non-confirmable `4.04` without Observe and is removed (§3.2, §4.2). It is
 //!   not retransmitted: a client that misses it learns it with its next
 //!   request.
-//! - **Bounds.** At most [`ObserveSettings::max_observers`] entries in all
-//!   and [`ObserveSettings::max_observers_per_device`] per device; beyond
-//!   them a registration is [`Registration::Refused`] and the server answers
-//!   the `GET` without Observe, which tells the client it is not observing
-//!   (§4.1). Each entry keeps at most [`RECENT_PER_OBSERVER`] message ids.
+//! - **Bounds.** At most [`ObserveSettings::max_observers_per_device`]
+//!   entries per device: a registration beyond it evicts the device's least
+//!   recently heard observer (a device that rebooted registers from a new
+//!   port; its old entry will never acknowledge again, and refusing the new
+//!   one would leave the device without notifications). At most
+//!   [`ObserveSettings::max_observers`] in all; beyond it a registration is
+//!   [`Registration::Refused`] and the server answers the `GET` without
+//!   Observe, which tells the client it is not observing (§4.1). Each entry keeps at most [`RECENT_PER_OBSERVER`] message ids.
 //! - **Not durable.** Entries live in memory: after an agent restart clients
 //!   register again (at the latest when the last notification's Max-Age has
 //!   passed, §3.3.1).
@@ -86,7 +94,7 @@ impl Default for ObserveSettings {
         ObserveSettings {
             max_observers: 10_000,
             max_observers_per_device: 8,
-            confirmable_every: 16,
+            confirmable_every: 1,
             confirmable_interval: Duration::from_secs(24 * 60 * 60),
             ack_timeout: Duration::from_secs(2),
             max_retransmit: 4,
@@ -105,6 +113,13 @@ pub enum Registration {
     /// The same endpoint and token again: the entry is kept, the response
     /// carries this Observe value.
     Renewed {
+        /// The Observe value of the response.
+        sequence: u32,
+    },
+    /// A new observer, in the place of the device's least recently heard
+    /// one (the device was at its cap); the response carries this Observe
+    /// value.
+    Replaced {
         /// The Observe value of the response.
         sequence: u32,
     },
@@ -179,6 +194,8 @@ struct Observer {
 
 #[derive(Debug)]
 struct InFlight {
+    // Its message id: only an acknowledgement of this id confirms it.
+    message_id: u16,
     // The encoded notification, sent again as it is.
     bytes: Vec<u8>,
     retransmissions: u32,
@@ -270,9 +287,24 @@ impl Observers {
                 sequence: self.next_sequence(),
             };
         }
-        if self.len >= self.settings.max_observers
-            || self.observers_of(device) >= self.settings.max_observers_per_device
-        {
+        let mut evicted = false;
+        if self.observers_of(device) >= self.settings.max_observers_per_device {
+            // The device's least recently heard observer makes room: most
+            // likely the same device from before a reboot (another port),
+            // which will never acknowledge again.
+            let stalest = self.by_device.get(device).and_then(|observers| {
+                observers
+                    .iter()
+                    .min_by_key(|(_, o)| o.last_heard)
+                    .map(|(id, _)| id.clone())
+            });
+            let Some(stalest) = stalest else {
+                return Registration::Refused;
+            };
+            self.remove(device, &stalest);
+            evicted = true;
+        }
+        if self.len >= self.settings.max_observers {
             return Registration::Refused;
         }
         self.by_device.entry(device.clone()).or_default().insert(
@@ -285,8 +317,10 @@ impl Observers {
             },
         );
         self.len += 1;
-        Registration::Added {
-            sequence: self.next_sequence(),
+        let sequence = self.next_sequence();
+        match evicted {
+            true => Registration::Replaced { sequence },
+            false => Registration::Added { sequence },
         }
     }
 
@@ -356,12 +390,14 @@ impl Observers {
                     // §4.5.2: the new notification takes over the old one's
                     // retransmission state.
                     Some(old) => InFlight {
+                        message_id,
                         bytes: bytes.clone(),
                         ..old
                     },
                     None => {
                         let timeout = initial_timeout(settings.ack_timeout, message_id);
                         InFlight {
+                            message_id,
                             bytes: bytes.clone(),
                             retransmissions: 0,
                             timeout,
@@ -429,9 +465,18 @@ impl Observers {
             return false;
         };
         observer.last_heard = now;
-        // An acknowledgement of an earlier confirmable notification that was
-        // replaced in flight shows the client is there all the same.
-        observer.in_flight.take().is_some()
+        // An acknowledgement of an earlier notification that was replaced in
+        // flight shows the client is there, but not that it has the newer
+        // state: that one goes on until its own acknowledgement.
+        if observer
+            .in_flight
+            .as_ref()
+            .is_some_and(|f| f.message_id == message_id)
+        {
+            observer.in_flight = None;
+            return true;
+        }
+        false
     }
 
     /// A reset from `peer`: if it rejects a recent notification, the
@@ -587,7 +632,9 @@ mod tests {
 
     fn sequence(registration: Registration) -> u32 {
         match registration {
-            Registration::Added { sequence } | Registration::Renewed { sequence } => sequence,
+            Registration::Added { sequence }
+            | Registration::Renewed { sequence }
+            | Registration::Replaced { sequence } => sequence,
             Registration::Refused => panic!("refused"),
         }
     }
@@ -606,10 +653,11 @@ mod tests {
         let out = observers.notify(&key("a"), Content::State(b"\xa0"), now);
         assert_eq!(out.len(), 1);
         assert_eq!(out[0].peer, peer(1));
-        assert_eq!(out[0].kind, Kind::NonConfirmable);
+        // By default a change of desired state is confirmable.
+        assert_eq!(out[0].kind, Kind::Confirmable);
         let packet = decode(&out[0]);
         assert_eq!(packet.get_token(), b"tok");
-        assert_eq!(packet.header.get_type(), MessageType::NonConfirmable);
+        assert_eq!(packet.header.get_type(), MessageType::Confirmable);
         assert_eq!(
             packet.header.code,
             MessageClass::Response(ResponseType::Content)
@@ -674,6 +722,29 @@ mod tests {
     }
 
     #[test]
+    fn a_device_at_its_cap_evicts_its_least_recently_heard_observer() {
+        let start = Instant::now();
+        let settings = ObserveSettings {
+            max_observers_per_device: 2,
+            ..ObserveSettings::default()
+        };
+        let mut observers = Observers::new(settings, 0);
+        observers.register(&key("a"), peer(1), b"t", start);
+        observers.register(&key("a"), peer(2), b"t", start + Duration::from_secs(1));
+        // peer 1 is heard again (it renews): peer 2 is now the stalest.
+        observers.register(&key("a"), peer(1), b"t", start + Duration::from_secs(2));
+        assert!(matches!(
+            observers.register(&key("a"), peer(3), b"t", start + Duration::from_secs(3)),
+            Registration::Replaced { .. }
+        ));
+        assert_eq!(observers.observers_of(&key("a")), 2);
+        assert!(observers.is_observing(&key("a"), peer(1), b"t"));
+        assert!(!observers.is_observing(&key("a"), peer(2), b"t"));
+        assert!(observers.is_observing(&key("a"), peer(3), b"t"));
+        assert_eq!(observers.len(), 2);
+    }
+
+    #[test]
     fn bounds_refuse_new_observers_but_not_renewals() {
         let now = Instant::now();
         let settings = ObserveSettings {
@@ -690,13 +761,13 @@ mod tests {
             observers.register(&key("a"), peer(2), b"t", now),
             Registration::Added { .. }
         ));
-        // Per device.
-        assert_eq!(
-            observers.register(&key("a"), peer(3), b"t", now),
-            Registration::Refused
-        );
+        // Per device: the stalest makes room (see the test above).
         assert!(matches!(
-            observers.register(&key("a"), peer(1), b"t", now),
+            observers.register(&key("a"), peer(3), b"t", now),
+            Registration::Replaced { .. }
+        ));
+        assert!(matches!(
+            observers.register(&key("a"), peer(3), b"t", now),
             Registration::Renewed { .. }
         ));
         assert!(matches!(
@@ -834,7 +905,11 @@ mod tests {
     #[test]
     fn a_day_without_a_sign_of_life_makes_the_next_notification_confirmable() {
         let start = Instant::now();
-        let mut observers = Observers::new(ObserveSettings::default(), 0);
+        let settings = ObserveSettings {
+            confirmable_every: 1_000,
+            ..ObserveSettings::default()
+        };
+        let mut observers = Observers::new(settings, 0);
         observers.register(&key("a"), peer(1), b"t", start);
         let out = observers.notify(
             &key("a"),
@@ -925,9 +1000,13 @@ mod tests {
             [Due::Retransmit(o)] => assert_eq!(o.bytes, second[0].bytes),
             other => panic!("{other:?}"),
         }
-        // An acknowledgement of the first one still shows the client is alive.
+        // An acknowledgement of the first one shows the client is alive but
+        // does not confirm the second: it goes on until its own.
         let first_mid = decode(&first[0]).header.message_id;
-        assert!(observers.acknowledged(peer(1), first_mid, deadline));
+        assert!(!observers.acknowledged(peer(1), first_mid, deadline));
+        assert!(observers.next_deadline().is_some());
+        let second_mid = decode(&second[0]).header.message_id;
+        assert!(observers.acknowledged(peer(1), second_mid, deadline));
         assert_eq!(observers.next_deadline(), None);
         assert!(
             observers
