@@ -155,15 +155,19 @@ pub fn inconclusive(device: &Device) -> bool {
     })
 }
 
+/// The record of the rollout whose change made `device`'s current
+/// generation, unless that change was changed back.
+fn current_record(device: &Device) -> Option<Record> {
+    let record = record(device)?.ok()?;
+    let current = record.generation.is_some() && record.generation == device.metadata.generation;
+    (current && !record.rolled_back).then_some(record)
+}
+
 /// The health check a Device's agent runs for its current generation: the
 /// one of the rollout whose change made that generation, unless it was
 /// changed back.
 pub fn health_check(device: &Device) -> Option<HealthCheck> {
-    let record = record(device)?.ok()?;
-    let current = record.generation.is_some() && record.generation == device.metadata.generation;
-    if !current || record.rolled_back {
-        return None;
-    }
+    let record = current_record(device)?;
     record.health
 }
 
@@ -172,11 +176,7 @@ pub fn health_check(device: &Device) -> Option<HealthCheck> {
 /// generation a rollout with a per-site rollback made, unless it was
 /// changed back.
 pub fn site_rollback(device: &Device) -> Option<SiteRollback> {
-    let record = record(device)?.ok()?;
-    let current = record.generation.is_some() && record.generation == device.metadata.generation;
-    if !current || record.rolled_back {
-        return None;
-    }
+    let record = current_record(device)?;
     Some(SiteRollback {
         threshold: record.site?,
         rollout: record.rollout,
@@ -188,11 +188,7 @@ pub fn site_rollback(device: &Device) -> Option<SiteRollback> {
 /// How `device`'s agent paces the generation a rollout made at its site,
 /// unless it was changed back.
 pub fn site_pacing(device: &Device) -> Option<SitePacing> {
-    let record = record(device)?.ok()?;
-    let current = record.generation.is_some() && record.generation == device.metadata.generation;
-    if !current || record.rolled_back {
-        return None;
-    }
+    let record = current_record(device)?;
     Some(SitePacing {
         pace: record.pace?,
         rollout: record.rollout,
