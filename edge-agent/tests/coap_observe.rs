@@ -4,77 +4,32 @@
 //! device ends its observations with `4.04`, unacknowledged confirmable
 //! notifications drop the observer, and the bounds hold.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
 use coap_lite::{CoapOption, MessageClass, MessageType, Packet, RequestType, ResponseType};
+use edgefleet_agent::coap::CoapSettings;
 use edgefleet_agent::coap::observe::{ObserveSettings, SEQUENCE_MODULUS};
-use edgefleet_agent::coap::{self, CoapMetrics};
-use edgefleet_agent::store::{DesiredDevice, Store};
-use edgefleet_shared::api::Transport;
+use edgefleet_agent::store::DesiredDevice;
+use edgefleet_shared::PropertyValue;
 use edgefleet_shared::codec::{self, DesiredState};
-use edgefleet_shared::{PropertyValue, ResourceKey, ResourceVersion};
 use tokio::net::UdpSocket;
 
 /// How long a test waits to be sure nothing comes.
 const QUIET: Duration = Duration::from_millis(300);
 
-fn thermostat(generation: i64, setpoint: f64) -> DesiredDevice {
-    DesiredDevice::new(
-        ResourceVersion::new("uid", generation),
-        "thermostat",
-        Transport::Coap,
-        BTreeMap::from([("setpoint".to_owned(), PropertyValue::Float(setpoint))]),
-    )
-}
+mod common;
+use common::{Agent, key, thermostat};
 
-fn key(name: &str) -> ResourceKey {
-    ResourceKey::device("plant", name)
-}
-
-/// The agent's CoAP server on a loopback port, over a fresh store.
-struct Agent {
-    addr: SocketAddr,
-    store: Store,
-    metrics: Arc<CoapMetrics>,
-    server: tokio::task::JoinHandle<std::io::Result<()>>,
-    _dir: tempfile::TempDir,
+fn observing(observe: ObserveSettings) -> CoapSettings {
+    CoapSettings {
+        observe,
+        ..Default::default()
+    }
 }
 
 impl Agent {
-    async fn start(settings: ObserveSettings, devices: &[&str]) -> Agent {
-        let dir = tempfile::tempdir().unwrap();
-        let opened = Store::open(&dir.path().join("store")).unwrap();
-        assert!(opened.moved_aside.is_none());
-        let store = opened.store;
-        let upserts: Vec<_> = devices
-            .iter()
-            .map(|name| (key(name), thermostat(1, 20.0)))
-            .collect();
-        store.apply(&upserts, &[]).await.unwrap();
-        let socket = UdpSocket::bind("127.0.0.1:0").await.unwrap();
-        let addr = socket.local_addr().unwrap();
-        let metrics = Arc::new(CoapMetrics::default());
-        let server = tokio::spawn(coap::serve_with(
-            socket,
-            store.clone(),
-            Arc::clone(&metrics),
-            coap::CoapSettings {
-                observe: settings,
-                ..Default::default()
-            },
-        ));
-        Agent {
-            addr,
-            store,
-            metrics,
-            server,
-            _dir: dir,
-        }
-    }
-
     async fn set(&self, name: &str, generation: i64, setpoint: f64) {
         self.store
             .apply(&[(key(name), thermostat(generation, setpoint))], &[])
@@ -97,12 +52,6 @@ impl Agent {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         panic!("{} observers, expected {n}", self.metrics.observers.get());
-    }
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        self.server.abort();
     }
 }
 
@@ -227,7 +176,7 @@ fn setpoint_of(packet: &Packet) -> (i64, PropertyValue) {
 
 #[tokio::test]
 async fn an_observer_is_notified_of_each_change_until_it_deregisters() {
-    let agent = Agent::start(ObserveSettings::default(), &["t1", "t2"]).await;
+    let agent = Agent::start(CoapSettings::default(), &["t1", "t2"]).await;
     let mut device = Client::new(&agent, b"obs1").await;
 
     let registered = device.get("t1", Some(0)).await;
@@ -277,7 +226,7 @@ async fn an_observer_is_notified_of_each_change_until_it_deregisters() {
 
 #[tokio::test]
 async fn a_plain_get_with_the_observations_token_ends_it() {
-    let agent = Agent::start(ObserveSettings::default(), &["t1"]).await;
+    let agent = Agent::start(CoapSettings::default(), &["t1"]).await;
     let mut device = Client::new(&agent, b"obs2").await;
     let mut other = Client::new(&agent, b"obs3").await;
     assert!(observe(&device.get("t1", Some(0)).await).is_some());
@@ -297,7 +246,7 @@ async fn a_plain_get_with_the_observations_token_ends_it() {
 
 #[tokio::test]
 async fn a_removed_device_ends_its_observations_with_4_04() {
-    let agent = Agent::start(ObserveSettings::default(), &["t1"]).await;
+    let agent = Agent::start(CoapSettings::default(), &["t1"]).await;
     let mut device = Client::new(&agent, b"gone").await;
     assert!(observe(&device.get("t1", Some(0)).await).is_some());
 
@@ -317,7 +266,7 @@ async fn a_removed_device_ends_its_observations_with_4_04() {
 
 #[tokio::test]
 async fn an_unknown_device_is_refused_and_not_observed() {
-    let agent = Agent::start(ObserveSettings::default(), &["t1"]).await;
+    let agent = Agent::start(CoapSettings::default(), &["t1"]).await;
     let mut device = Client::new(&agent, b"nope").await;
     let refused = device.get("t9", Some(0)).await;
     assert_eq!(code(&refused), ResponseType::NotFound);
@@ -331,7 +280,7 @@ async fn an_unknown_device_is_refused_and_not_observed() {
 
 #[tokio::test]
 async fn a_reset_of_a_notification_removes_the_observer() {
-    let agent = Agent::start(ObserveSettings::default(), &["t1"]).await;
+    let agent = Agent::start(CoapSettings::default(), &["t1"]).await;
     let mut device = Client::new(&agent, b"rst").await;
     let mut stays = Client::new(&agent, b"stays").await;
     assert!(observe(&device.get("t1", Some(0)).await).is_some());
@@ -360,7 +309,7 @@ async fn confirmable_notifications_are_acknowledged_or_the_observer_is_dropped()
         max_retransmit: 2,
         ..ObserveSettings::default()
     };
-    let agent = Agent::start(settings, &["t1"]).await;
+    let agent = Agent::start(observing(settings), &["t1"]).await;
     let mut device = Client::new(&agent, b"con").await;
     assert!(observe(&device.get("t1", Some(0)).await).is_some());
 
@@ -399,7 +348,7 @@ async fn a_device_at_its_cap_takes_the_newest_observer_and_beyond_the_total_one_
         max_observers_per_device: 1,
         ..ObserveSettings::default()
     };
-    let agent = Agent::start(settings, &["t1", "t2", "t3"]).await;
+    let agent = Agent::start(observing(settings), &["t1", "t2", "t3"]).await;
     let mut first = Client::new(&agent, b"one").await;
     let mut second = Client::new(&agent, b"two").await;
     let mut third = Client::new(&agent, b"three").await;

@@ -7,71 +7,24 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
 use coap_lite::{CoapOption, MessageClass, MessageType, Packet, RequestType, ResponseType};
-use edgefleet_agent::coap::{self, CoapMetrics, CoapSettings};
-use edgefleet_agent::store::{DesiredDevice, Store};
-use edgefleet_shared::api::Transport;
+use edgefleet_agent::coap::CoapSettings;
+use edgefleet_shared::PropertyValue;
 use edgefleet_shared::codec::{self, DeviceReport};
-use edgefleet_shared::{PropertyValue, ResourceKey, ResourceVersion};
 use tokio::net::UdpSocket;
 
-struct Agent {
-    addr: SocketAddr,
-    store: Store,
-    metrics: Arc<CoapMetrics>,
-    server: tokio::task::JoinHandle<std::io::Result<()>>,
-    _dir: tempfile::TempDir,
-}
+mod common;
+use common::{Agent, key};
 
 impl Agent {
-    /// The CoAP server over a fresh store holding the device `plant/t1`.
-    async fn start(settings: CoapSettings) -> Agent {
-        let dir = tempfile::tempdir().unwrap();
-        let store = Store::open(&dir.path().join("store")).unwrap().store;
-        let device = DesiredDevice::new(
-            ResourceVersion::new("uid", 1),
-            "thermostat",
-            Transport::Coap,
-            BTreeMap::new(),
-        );
-        store
-            .apply(&[(ResourceKey::device("plant", "t1"), device)], &[])
-            .await
-            .unwrap();
-        let socket = UdpSocket::bind("127.0.0.1:0").await.unwrap();
-        let addr = socket.local_addr().unwrap();
-        let metrics = Arc::new(CoapMetrics::default());
-        let server = tokio::spawn(coap::serve_with(
-            socket,
-            store.clone(),
-            Arc::clone(&metrics),
-            settings,
-        ));
-        Agent {
-            addr,
-            store,
-            metrics,
-            server,
-            _dir: dir,
-        }
-    }
-
     fn count(&self, outcome: &str) -> u64 {
         self.metrics.requests.get(outcome)
     }
 
     fn stored(&self) -> bool {
-        let key = ResourceKey::device("plant", "t1");
-        self.store.latest_report(&key).unwrap().is_some()
-    }
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        self.server.abort();
+        self.store.latest_report(&key("t1")).unwrap().is_some()
     }
 }
 
@@ -122,7 +75,7 @@ fn code(bytes: &[u8]) -> MessageClass {
 
 #[tokio::test]
 async fn a_ping_is_answered_with_a_reset_and_so_is_a_confirmable_response() {
-    let agent = Agent::start(CoapSettings::default()).await;
+    let agent = Agent::start(CoapSettings::default(), &["t1"]).await;
     let socket = client().await;
     // An empty confirmable message: version 1, CON, token length 0, 0.00.
     let answer = exchange(&socket, agent.addr, &[0x40, 0x00, 0x12, 0x34]).await;
@@ -142,7 +95,7 @@ async fn a_ping_is_answered_with_a_reset_and_so_is_a_confirmable_response() {
 
 #[tokio::test]
 async fn options_and_formats_the_agent_does_not_implement_are_refused_and_nothing_is_stored() {
-    let agent = Agent::start(CoapSettings::default()).await;
+    let agent = Agent::start(CoapSettings::default(), &["t1"]).await;
     let socket = client().await;
     // A conditional report (If-Match, critical): 4.02.
     let mut p = report(1);
@@ -192,7 +145,7 @@ async fn options_and_formats_the_agent_does_not_implement_are_refused_and_nothin
 
 #[tokio::test]
 async fn a_refusal_is_no_larger_than_about_twice_its_request() {
-    let agent = Agent::start(CoapSettings::default()).await;
+    let agent = Agent::start(CoapSettings::default(), &["t1"]).await;
     let socket = client().await;
     for (path, method) in [
         ("x", RequestType::Get),
@@ -220,10 +173,13 @@ async fn a_refusal_is_no_larger_than_about_twice_its_request() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_beyond_the_bound_are_answered_5_03_with_max_age_and_succeed_later() {
-    let agent = Agent::start(CoapSettings {
-        max_requests_in_flight: 1,
-        ..Default::default()
-    })
+    let agent = Agent::start(
+        CoapSettings {
+            max_requests_in_flight: 1,
+            ..Default::default()
+        },
+        &["t1"],
+    )
     .await;
     let socket = client().await;
     // A burst: each report waits for its durable write, so with one place
