@@ -44,10 +44,12 @@ pub struct Pass {
 }
 
 /// Releases what fits whenever a paced generation arrives, a paced device
-/// reports, or a place's time-out runs out.
+/// reports while something is held, or a place's time-out runs out.
 pub async fn run(store: Store, metrics: Metrics) {
     let wake = store.pace_watch();
-    let mut due: Option<i64> = None;
+    // A pass at once: generations held before a restart wake nothing else
+    // (reports wake the pacer only once it has counted what is held).
+    let mut due: Option<i64> = Some(edgefleet_shared::now_unix_ms());
     loop {
         match due {
             Some(at) => {
@@ -62,6 +64,7 @@ pub async fn run(store: Store, metrics: Metrics) {
         tokio::time::sleep(SETTLE).await;
         match pace(&store).await {
             Ok(pass) => {
+                store.set_held_generations(pass.held);
                 metrics.released.inc_by(pass.released.len() as u64);
                 metrics.held.set(pass.held as i64);
                 if !pass.released.is_empty() {

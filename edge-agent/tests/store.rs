@@ -5,6 +5,7 @@
 //! out of reach (locked, not a directory) is left alone with a clear error.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use edgefleet_agent::store::{
     BOOTS_REMEMBERED, Desired, DesiredDevice, Dropped, EventOutcome, Flow, HeldRule, PendingUplink,
@@ -1342,6 +1343,64 @@ async fn a_site_at_its_limit_holds_the_rest_and_releases_them_as_devices_finish(
     assert_eq!(pass.released, vec![keys[3].clone()]);
     assert_eq!(pass.held, 0);
     assert_eq!(told(3).generation, 5);
+    // With nothing held, reports of paced devices do not wake the pacer
+    // (a fleet keeps reporting long after its rollout); while something
+    // is held, they do.
+    let wake = store.pace_watch();
+    let woken = || tokio::time::timeout(Duration::ZERO, wake.notified());
+    let _ = woken().await;
+    store.set_held_generations(pass.held);
+    store
+        .record_report(&keys[1], report(5, 20.0), 4_000)
+        .await
+        .unwrap();
+    assert!(woken().await.is_err(), "nothing held: not woken");
+    store.set_held_generations(1);
+    store
+        .record_report(&keys[1], report(5, 20.0), 5_000)
+        .await
+        .unwrap();
+    assert!(woken().await.is_ok(), "something held: woken");
+}
+
+#[tokio::test]
+async fn generations_held_before_a_restart_are_released_by_the_pacer_without_a_report() {
+    use edgefleet_agent::site_pacing::{Metrics, run};
+    use edgefleet_shared::site_pacing::{SitePace, SitePacing};
+    let tmp = tempfile::tempdir().unwrap();
+    let key = ResourceKey::device("plant", "a");
+    let store = open(&tmp.path().join("store"));
+    store
+        .apply(&[(key.clone(), thermostat("u-a", 1, 21.0))], &[])
+        .await
+        .unwrap();
+    let mut paced = thermostat("u-a", 2, 19.0);
+    paced.site_pacing = Some(SitePacing {
+        rollout: "cfg".into(),
+        rollout_uid: "r-1".into(),
+        pace: SitePace {
+            site: "north".into(),
+            limit: 1,
+            canary: false,
+            timeout_seconds: 600,
+        },
+    });
+    store.apply(&[(key.clone(), paced)], &[]).await.unwrap();
+    drop(store);
+    let store = open(&tmp.path().join("store"));
+    let told = || store.desired(&key).unwrap().unwrap().to_wire().generation;
+    assert_eq!(told(), 1, "held across the restart");
+    let metrics = Metrics::default();
+    let pacer = tokio::spawn(run(store.clone(), metrics.clone()));
+    for _ in 0..500 {
+        if told() == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    pacer.abort();
+    assert_eq!(told(), 2, "released by the pacer's first pass");
+    assert_eq!(metrics.released.get(), 1);
 }
 
 #[tokio::test]

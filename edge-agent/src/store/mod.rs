@@ -611,9 +611,12 @@ pub struct Store {
     // Woken by a report of a device under a site rollback plan, and when
     // the link goes down (see crate::site_rollback).
     site_watch: Arc<Notify>,
-    // Woken by a paced generation's arrival and by a report of a paced
-    // device (see crate::site_pacing).
+    // Woken by a paced generation's arrival, and by a report of a paced
+    // device while generations are held (see crate::site_pacing).
     pace_watch: Arc<Notify>,
+    // How many generations the pacer's last pass left held: while none
+    // is, a report cannot free a place anyone waits for.
+    held_generations: Arc<std::sync::atomic::AtomicUsize>,
     // Every durable change of desired state, for the device-side publishers.
     desired_changes: broadcast::Sender<DesiredChange>,
     // Every device whose report became durable, for the rule engine.
@@ -953,6 +956,7 @@ impl Store {
             link_down_since: Arc::new(edgefleet_shared::now_unix_ms().into()),
             site_watch: Arc::new(Notify::new()),
             pace_watch: Arc::new(Notify::new()),
+            held_generations: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
             desired_changes: broadcast::Sender::new(DESIRED_CHANGES_BUFFER),
             reports: broadcast::Sender::new(DESIRED_CHANGES_BUFFER),
             rules_changed: Arc::new(Notify::new()),
@@ -1408,10 +1412,16 @@ impl Store {
         Arc::clone(&self.site_watch)
     }
 
-    /// Woken by a paced generation's arrival and by a report of a paced
-    /// device.
+    /// Woken by a paced generation's arrival, and by a report of a paced
+    /// device while [`Store::set_held_generations`] says some are held.
     pub fn pace_watch(&self) -> Arc<Notify> {
         Arc::clone(&self.pace_watch)
+    }
+
+    /// How many generations the pacer left held: reports wake it only
+    /// while this is not zero.
+    pub fn set_held_generations(&self, held: usize) {
+        self.held_generations.store(held, Ordering::Relaxed);
     }
 
     /// Releases the held generations of `devices` to them: each is told
@@ -1598,7 +1608,9 @@ impl Store {
             .as_ref()
             .filter(|d| d.rolled_back_at_edge.is_none())
             .and_then(|d| Some(Box::new(d.held_at_edge.as_ref()?.mark.clone())));
-        if desired.as_ref().is_some_and(|d| d.site_pacing.is_some()) {
+        if desired.as_ref().is_some_and(|d| d.site_pacing.is_some())
+            && self.held_generations.load(Ordering::Relaxed) > 0
+        {
             self.pace_watch.notify_one();
         }
         let overrides = desired
