@@ -221,7 +221,7 @@ mod site {
     //! Conversions of a site's part in a rollout.
     use std::collections::BTreeMap;
 
-    use super::{EdgeRollback, Firmware, SitePacing, SiteRollback};
+    use super::{EdgeRollback, Firmware, HeldAtEdge, SitePacing, SiteRollback};
     use crate::api::device::FirmwareSpec;
     use crate::api::rollout::FailureClass;
     use crate::rollout_member::{Previous, SiteThreshold};
@@ -375,6 +375,28 @@ mod site {
                 generation: r.generation,
                 at_ms: r.at_ms,
                 message: r.message,
+            }
+        }
+    }
+
+    impl From<crate::site_pacing::HeldAtEdge> for HeldAtEdge {
+        fn from(h: crate::site_pacing::HeldAtEdge) -> Self {
+            HeldAtEdge {
+                rollout: h.rollout,
+                generation: h.generation,
+                since_ms: h.since_ms,
+                message: h.message,
+            }
+        }
+    }
+
+    impl From<HeldAtEdge> for crate::site_pacing::HeldAtEdge {
+        fn from(h: HeldAtEdge) -> Self {
+            crate::site_pacing::HeldAtEdge {
+                rollout: h.rollout,
+                generation: h.generation,
+                since_ms: h.since_ms,
+                message: h.message,
             }
         }
     }

@@ -640,12 +640,7 @@ impl Session {
         });
         let held_at_edge = report.held_at_edge.map(|mut h| {
             h.message = h.message.chars().take(MAX_HEALTH_MESSAGE).collect();
-            Box::new(edgefleet_shared::site_pacing::HeldAtEdge {
-                rollout: h.rollout,
-                generation: h.generation,
-                since_ms: h.since_ms,
-                message: h.message,
-            })
+            Box::new(edgefleet_shared::site_pacing::HeldAtEdge::from(h))
         });
         Ok(Accepted::Status(
             key,

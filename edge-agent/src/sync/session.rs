@@ -372,12 +372,7 @@ pub fn uplink_body(pending: PendingUplink) -> uplink_entry::Body {
                 message: h.message,
             }),
             edge_rollback: latest.edge_rollback.as_ref().map(proto::EdgeRollback::from),
-            held_at_edge: latest.held_at_edge.map(|h| *h).map(|h| proto::HeldAtEdge {
-                rollout: h.rollout,
-                generation: h.generation,
-                since_ms: h.since_ms,
-                message: h.message,
-            }),
+            held_at_edge: latest.held_at_edge.map(|h| proto::HeldAtEdge::from(*h)),
             overrides: edgefleet_shared::rule_engine::shown(&latest.overrides)
                 .into_iter()
                 .map(|(property, o, in_force)| proto::RuleOverride {
