@@ -139,14 +139,16 @@ pub fn resource_reference(key: &ResourceKey, uid: &str) -> ObjectReference {
         api_version: Some("edgefleet.io/v1alpha1".to_owned()),
         kind: Some(
             match key.kind {
-                ResourceKind::Device => "Device",
+                // A credential is named like its Device; the Event is
+                // about the Device (the uid is the Secret's, so left out).
+                ResourceKind::Device | ResourceKind::Credential => "Device",
                 ResourceKind::Rule => "EdgeRule",
             }
             .to_owned(),
         ),
         namespace: Some(key.namespace.clone()),
         name: Some(key.name.clone()),
-        uid: Some(uid.to_owned()),
+        uid: (key.kind != ResourceKind::Credential).then(|| uid.to_owned()),
         ..ObjectReference::default()
     }
 }

@@ -95,8 +95,8 @@ struct Inner {
     nodes: HashMap<String, watch::Sender<NodeSlice>>,
     // Where each device sits, so a Device moved to another node leaves the old one.
     node_of: HashMap<ResourceKey, String>,
-    // The nodes each rule is on.
-    rule_nodes: HashMap<ResourceKey, BTreeSet<String>>,
+    // The nodes each rule or credential is on.
+    placed: HashMap<ResourceKey, BTreeSet<String>>,
 }
 
 impl Inner {
@@ -172,11 +172,12 @@ impl Index {
         }
     }
 
-    /// Puts rule `key` on exactly the nodes of `bodies`, each with its
-    /// body; subscribers are woken where a body's version changed.
-    pub fn put_rule(&self, key: &ResourceKey, bodies: BTreeMap<String, Indexed>) {
+    /// Puts `key` (a rule or a credential) on exactly the nodes of
+    /// `bodies`, each with its body; subscribers are woken where a body's
+    /// version changed.
+    pub fn place(&self, key: &ResourceKey, bodies: BTreeMap<String, Indexed>) {
         let mut inner = self.inner.lock().expect("index lock");
-        let before = inner.rule_nodes.remove(key).unwrap_or_default();
+        let before = inner.placed.remove(key).unwrap_or_default();
         for node in before.iter().filter(|n| !bodies.contains_key(*n)) {
             inner
                 .node(node)
@@ -192,17 +193,13 @@ impl Index {
                 true
             });
         }
-        inner.rule_nodes.insert(key.clone(), nodes);
+        inner.placed.insert(key.clone(), nodes);
     }
 
-    /// Takes rule `key` off every node.
-    pub fn remove_rule(&self, key: &ResourceKey) {
-        self.put_rule(key, BTreeMap::new());
-        self.inner
-            .lock()
-            .expect("index lock")
-            .rule_nodes
-            .remove(key);
+    /// Takes `key` (a rule or a credential) off every node.
+    pub fn unplace(&self, key: &ResourceKey) {
+        self.place(key, BTreeMap::new());
+        self.inner.lock().expect("index lock").placed.remove(key);
     }
 
     /// The Devices of `node` now.
@@ -252,8 +249,8 @@ impl Difference {
 ///
 /// A held Device with the same uid and the same or a later generation is
 /// not resent; one with another uid (deleted and created again) is. A rule
-/// is resent whenever its version differs: the version is a digest, not a
-/// count.
+/// or credential is resent whenever its version differs: the version is a
+/// digest, not a count.
 pub fn difference(
     desired: &NodeSlice,
     held: &BTreeMap<ResourceKey, ResourceVersion>,
@@ -263,7 +260,7 @@ pub fn difference(
         .filter(|(key, entry)| {
             held.get(*key).is_none_or(|h| match key.kind {
                 ResourceKind::Device => entry.version.is_newer_than(h),
-                ResourceKind::Rule => entry.version != *h,
+                ResourceKind::Rule | ResourceKind::Credential => entry.version != *h,
             })
         })
         .map(|(key, entry)| (key.clone(), Arc::clone(entry)))
@@ -418,7 +415,7 @@ pub(crate) mod tests {
         let index = Index::default();
         index.upsert(&device("ns", "a", "edge-1", "ua", 1));
         let key = ResourceKey::rule("ns", "overheat");
-        index.put_rule(
+        index.place(
             &key,
             BTreeMap::from([
                 ("edge-1".into(), rule_entry(1)),
@@ -435,14 +432,14 @@ pub(crate) mod tests {
 
         // edge-1's body changes, edge-2 leaves: edge-1 is woken with the new
         // version, edge-2 loses the rule, and neither is woken for nothing.
-        index.put_rule(&key, BTreeMap::from([("edge-1".into(), rule_entry(2))]));
+        index.place(&key, BTreeMap::from([("edge-1".into(), rule_entry(2))]));
         assert!(one.has_changed().unwrap() && two.has_changed().unwrap());
         assert_eq!(one.borrow_and_update()[&key].version.generation, 2);
         assert!(!two.borrow_and_update().contains_key(&key));
-        index.put_rule(&key, BTreeMap::from([("edge-1".into(), rule_entry(2))]));
+        index.place(&key, BTreeMap::from([("edge-1".into(), rule_entry(2))]));
         assert!(!one.has_changed().unwrap());
 
-        index.remove_rule(&key);
+        index.unplace(&key);
         assert!(!one.borrow_and_update().contains_key(&key));
         assert_eq!(one.borrow().len(), 1);
     }
@@ -451,7 +448,7 @@ pub(crate) mod tests {
     fn a_rule_is_resent_when_its_digest_differs_either_way() {
         let index = Index::default();
         let key = ResourceKey::rule("ns", "overheat");
-        index.put_rule(&key, BTreeMap::from([("edge-1".into(), rule_entry(5))]));
+        index.place(&key, BTreeMap::from([("edge-1".into(), rule_entry(5))]));
         let slice = index.subscribe("edge-1").borrow().clone();
         for held in [1, 9] {
             let held = BTreeMap::from([(key.clone(), ResourceVersion::new("rule-uid", held))]);

@@ -20,6 +20,7 @@ pub mod agent_identity;
 pub mod agents;
 pub mod conditions;
 pub mod crds;
+pub mod credentials;
 pub mod device_events;
 pub mod edge_node;
 pub mod events;

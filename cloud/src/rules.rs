@@ -183,7 +183,7 @@ async fn reconcile(
         match event {
             finalizer::Event::Apply(rule) => context.judge(rule).await,
             finalizer::Event::Cleanup(rule) => {
-                context.index.remove_rule(&key_of(&rule));
+                context.index.unplace(&key_of(&rule));
                 Ok(Action::await_change())
             }
         }
@@ -205,7 +205,7 @@ impl Context {
             match judge(&rule.spec).and_then(|j| has_target(rule, &j, &devices).map(|()| j)) {
                 Ok(judged) => judged,
                 Err(refusal) => {
-                    self.index.remove_rule(&key);
+                    self.index.unplace(&key);
                     return Err(refusal);
                 }
             };
@@ -215,17 +215,17 @@ impl Context {
                 .map(|n| n.labels().clone())
         });
         if let Err(refusal) = fits_models(rule, &judged, &bodies, &devices) {
-            self.index.remove_rule(&key);
+            self.index.unplace(&key);
             return Err(refusal);
         }
         let watched = bodies
             .values()
             .map(|b| match &b.body {
                 proto::resource::Body::Rule(r) => r.watched.len(),
-                proto::resource::Body::Device(_) => 0,
+                proto::resource::Body::Device(_) | proto::resource::Body::Credential(_) => 0,
             })
             .sum::<usize>();
-        self.index.put_rule(&key, bodies);
+        self.index.place(&key, bodies);
         Ok(u32::try_from(watched).unwrap_or(u32::MAX))
     }
 
@@ -611,7 +611,7 @@ mod tests {
     fn rule_body(entry: &Indexed) -> &proto::RuleDesired {
         match &entry.body {
             proto::resource::Body::Rule(r) => r,
-            proto::resource::Body::Device(_) => panic!("a rule's body"),
+            _ => panic!("a rule's body"),
         }
     }
 

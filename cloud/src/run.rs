@@ -13,6 +13,7 @@ use edgefleet_shared::api::{Device, EdgeNode};
 use edgefleet_shared::heartbeat::Heartbeat;
 use edgefleet_shared::proto::sync_server::SyncServer;
 use futures::{Stream, StreamExt};
+use k8s_openapi::api::core::v1::Secret;
 use kube::runtime::reflector;
 use kube::runtime::utils::ResetTimerBackoff;
 use kube::runtime::{WatchStreamExt, watcher};
@@ -21,6 +22,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 
 use crate::agents::Agents;
+use crate::credentials::Credentials;
 use crate::device_events::{DeviceEventMetrics, DeviceEvents};
 use crate::events::{EventMetrics, Events};
 use crate::index::Index;
@@ -118,10 +120,12 @@ impl Controller {
         }));
 
         let (device_changed, device_changes) = tokio::sync::watch::channel(());
+        let credentials = Arc::new(crate::credentials::Credentials::new(Arc::clone(&index)));
         tasks.spawn(feed_index(
             devices_api.clone(),
             writer,
             Arc::clone(&index),
+            Arc::clone(&credentials),
             status.clone(),
             device_changed,
         ));
@@ -170,6 +174,13 @@ impl Controller {
         )
         .await?;
         tasks.spawn(rules);
+        // Likewise for device keys: an agent is never told to drop one
+        // because the controller had not read its Secret yet.
+        let secrets_api = match &settings.namespace {
+            Some(namespace) => Api::<Secret>::namespaced(client.clone(), namespace),
+            None => Api::<Secret>::all(client.clone()),
+        };
+        tasks.spawn(crate::credentials::start(secrets_api, credentials).await);
         tasks.spawn(crate::rollout::run(
             rollouts_api,
             Arc::new(rollouts),
@@ -329,7 +340,7 @@ where
     }
 }
 
-fn watch_backoff() -> ResetTimerBackoff<watcher::ExponentialBackoff> {
+pub(crate) fn watch_backoff() -> ResetTimerBackoff<watcher::ExponentialBackoff> {
     let retries = backon::ExponentialBuilder::default()
         .with_min_delay(std::time::Duration::from_millis(200))
         .with_max_delay(std::time::Duration::from_secs(5))
@@ -352,6 +363,7 @@ async fn feed_index(
     api: Api<Device>,
     writer: reflector::store::Writer<Device>,
     index: Arc<Index>,
+    credentials: Arc<Credentials>,
     status: StatusWriter,
     changed: tokio::sync::watch::Sender<()>,
 ) {
@@ -368,17 +380,22 @@ async fn feed_index(
             changed.send_replace(());
         }
         match event {
-            Ok(watcher::Event::Apply(device)) => index.upsert(&device),
+            Ok(watcher::Event::Apply(device)) => {
+                index.upsert(&device);
+                credentials.device_applied(&device);
+            }
             Ok(watcher::Event::Delete(device)) => {
                 let key =
                     ResourceKey::device(device.namespace().unwrap_or_default(), device.name_any());
                 index.remove(&key);
+                credentials.device_deleted(&key);
                 status.forget(&key);
             }
             Ok(watcher::Event::Init) => relist.clear(),
             Ok(watcher::Event::InitApply(device)) => relist.push(device),
             Ok(watcher::Event::InitDone) => {
                 index.replace_all(&relist);
+                credentials.devices_listed(&relist);
                 // What the writer remembers may be about objects deleted
                 // while the watch was away: start from what was listed.
                 status.forget_all();

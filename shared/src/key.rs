@@ -10,6 +10,9 @@ pub enum ResourceKind {
     Device,
     /// A [`crate::api::rule::EdgeRule`], as one node's agent needs it.
     Rule,
+    /// A device's pre-shared key (see [`crate::credential`]), named like
+    /// its Device.
+    Credential,
 }
 
 impl ResourceKind {
@@ -17,6 +20,7 @@ impl ResourceKind {
         match self {
             ResourceKind::Device => "device",
             ResourceKind::Rule => "rule",
+            ResourceKind::Credential => "credential",
         }
     }
 }
@@ -52,6 +56,15 @@ impl ResourceKey {
         }
     }
 
+    /// The key of the credential of the Device `name`.
+    pub fn credential(namespace: impl Into<String>, name: impl Into<String>) -> Self {
+        ResourceKey {
+            kind: ResourceKind::Credential,
+            namespace: namespace.into(),
+            name: name.into(),
+        }
+    }
+
     /// Whether this is a Device's key.
     pub fn is_device(&self) -> bool {
         self.kind == ResourceKind::Device
@@ -66,9 +79,7 @@ impl fmt::Display for ResourceKey {
 
 /// A string that is not `<kind>/<namespace>/<name>` with a known kind.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
-#[error(
-    "{0:?} is not a resource key of the form device/<namespace>/<name> or rule/<namespace>/<name>"
-)]
+#[error("{0:?} is not a resource key of the form <device|rule|credential>/<namespace>/<name>")]
 pub struct ResourceKeyError(String);
 
 impl FromStr for ResourceKey {
@@ -88,6 +99,7 @@ impl FromStr for ResourceKey {
         let kind = match kind {
             "device" => ResourceKind::Device,
             "rule" => ResourceKind::Rule,
+            "credential" => ResourceKind::Credential,
             _ => return Err(err()),
         };
         Ok(ResourceKey {
@@ -113,6 +125,12 @@ mod tests {
         let rule = ResourceKey::rule("plant-a", "overheat");
         assert_eq!(rule.to_string(), "rule/plant-a/overheat");
         assert_eq!("rule/plant-a/overheat".parse::<ResourceKey>(), Ok(rule));
+        let credential = ResourceKey::credential("plant-a", "thermostat-17");
+        assert_eq!(credential.to_string(), "credential/plant-a/thermostat-17");
+        assert_eq!(
+            "credential/plant-a/thermostat-17".parse::<ResourceKey>(),
+            Ok(credential)
+        );
     }
 
     #[test]

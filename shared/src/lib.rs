@@ -17,6 +17,7 @@
 pub mod api;
 mod cel_names;
 pub mod codec;
+pub mod credential;
 pub mod health;
 pub mod health_check;
 pub mod health_gate;

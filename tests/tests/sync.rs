@@ -1328,3 +1328,202 @@ async fn a_message_over_the_size_limit_is_refused_and_counted_and_others_are_ser
     })
     .await;
 }
+
+/// The Secret that holds the key of Device `device`.
+fn device_secret(name: &str, device: &str, psk: &[u8]) -> k8s_openapi::api::core::v1::Secret {
+    use edgefleet_shared::credential::{DEVICE_LABEL, PSK_KEY, SECRET_TYPE};
+    let mut secret = k8s_openapi::api::core::v1::Secret {
+        type_: Some(SECRET_TYPE.into()),
+        data: Some(BTreeMap::from([(
+            PSK_KEY.to_owned(),
+            k8s_openapi::ByteString(psk.to_vec()),
+        )])),
+        ..Default::default()
+    };
+    secret.metadata.name = Some(name.into());
+    secret.metadata.labels = Some(BTreeMap::from([(
+        DEVICE_LABEL.to_owned(),
+        device.to_owned(),
+    )]));
+    secret
+}
+
+#[tokio::test]
+async fn device_keys_reach_their_agent_and_rotation_and_revocation_follow_also_after_an_absence() {
+    let Setup {
+        client,
+        ns,
+        controller,
+        store,
+        node,
+        _dir,
+    } = Setup::new("keys").await;
+    let devices: Api<Device> = Api::namespaced(client.clone(), &ns);
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> = Api::namespaced(client.clone(), &ns);
+    let post = PostParams::default();
+    for name in ["t1", "t2", "t3"] {
+        create_thermostat(&devices, name, &node, 20.0).await;
+    }
+    secrets
+        .create(
+            &post,
+            &device_secret("t1-key", "t1", b"t1-0123456789abcdef"),
+        )
+        .await
+        .unwrap();
+    secrets
+        .create(
+            &post,
+            &device_secret("t2-key", "t2", b"t2-0123456789abcdef"),
+        )
+        .await
+        .unwrap();
+    // Too short: refused by the controller, so t3 has no key.
+    secrets
+        .create(&post, &device_secret("t3-key", "t3", b"short"))
+        .await
+        .unwrap();
+    // A Secret of another type is not a device key, whatever its label.
+    let mut opaque = device_secret("t3-opaque", "t3", b"t3-0123456789abcdef");
+    opaque.type_ = Some("Opaque".into());
+    secrets.create(&post, &opaque).await.unwrap();
+
+    let (t1, t2, t3) = (
+        ResourceKey::device(&ns, "t1"),
+        ResourceKey::device(&ns, "t2"),
+        ResourceKey::device(&ns, "t3"),
+    );
+    let key_of = |device: &ResourceKey| {
+        store
+            .credential(device)
+            .unwrap()
+            .map(|psk| psk.as_bytes().to_vec())
+    };
+    let agent = start_agent(&controller, &node, &store);
+    eventually("t1 and t2 have their keys at the agent", || async {
+        (key_of(&t1).as_deref() == Some(b"t1-0123456789abcdef".as_slice())
+            && key_of(&t2).as_deref() == Some(b"t2-0123456789abcdef".as_slice()))
+        .then_some(())
+    })
+    .await;
+    assert_eq!(
+        key_of(&t3),
+        None,
+        "an invalid key and an Opaque Secret give none"
+    );
+    assert_eq!(store.credential_count(), 2);
+
+    // Rotation: the Secret's new key replaces the old one.
+    let rotated = device_secret("t1-key", "t1", b"t1-rotated-rotated-rotated");
+    secrets
+        .patch("t1-key", &PatchParams::default(), &Patch::Merge(&rotated))
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    eventually("t1's rotated key reaches the agent", || async {
+        (key_of(&t1).as_deref() == Some(b"t1-rotated-rotated-rotated".as_slice())).then_some(())
+    })
+    .await;
+    // Revocation: deleting the Secret takes the key away.
+    secrets
+        .delete("t2-key", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually("t2's key is gone from the agent", || async {
+        key_of(&t2).is_none().then_some(())
+    })
+    .await;
+    println!(
+        "rotation and revocation reached the agent in {:?}",
+        started.elapsed()
+    );
+
+    // While the agent is away: t1's key is revoked and t3 gets a valid one.
+    agent.abort();
+    let _ = agent.await;
+    secrets
+        .delete("t1-key", &DeleteParams::default())
+        .await
+        .unwrap();
+    secrets
+        .delete("t3-key", &DeleteParams::default())
+        .await
+        .unwrap();
+    secrets
+        .create(
+            &post,
+            &device_secret("t3-key", "t3", b"t3-0123456789abcdef"),
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let agent = start_agent(&controller, &node, &store);
+    eventually(
+        "at the resync, t1 loses its key and t3 gets one",
+        || async {
+            (key_of(&t1).is_none()
+                && key_of(&t3).as_deref() == Some(b"t3-0123456789abcdef".as_slice()))
+            .then_some(())
+        },
+    )
+    .await;
+
+    // A deleted Device's key leaves with it; a second Secret claiming a
+    // device makes its key ambiguous, so it has none until one goes.
+    devices
+        .delete("t3", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually("t3's key leaves with its Device", || async {
+        key_of(&t3).is_none().then_some(())
+    })
+    .await;
+    create_thermostat(&devices, "t4", &node, 20.0).await;
+    let t4 = ResourceKey::device(&ns, "t4");
+    secrets
+        .create(&post, &device_secret("t4-a", "t4", b"t4-aaaaaaaaaaaaaaaa"))
+        .await
+        .unwrap();
+    eventually("t4 has its key", || async { key_of(&t4).map(|_| ()) }).await;
+    secrets
+        .create(&post, &device_secret("t4-b", "t4", b"t4-bbbbbbbbbbbbbbbb"))
+        .await
+        .unwrap();
+    eventually("two Secrets claim t4: no key", || async {
+        key_of(&t4).is_none().then_some(())
+    })
+    .await;
+    secrets
+        .delete("t4-a", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually("one claim left: t4 has that key", || async {
+        (key_of(&t4).as_deref() == Some(b"t4-bbbbbbbbbbbbbbbb".as_slice())).then_some(())
+    })
+    .await;
+
+    // A new controller recovers what the agent holds, keys included,
+    // without asking for its inventory.
+    eventually("status shows every delivery", || async {
+        let list = devices.list(&Default::default()).await.ok()?;
+        list.items
+            .iter()
+            .all(|d| {
+                let delivered = d.status.as_ref().and_then(|s| s.delivered_generation);
+                delivered.is_some() && delivered == d.metadata.generation
+            })
+            .then_some(())
+    })
+    .await;
+    agent.abort();
+    let _ = agent.await;
+    drop(controller);
+    let controller = start_controller(&client, &ns).await;
+    let _agent = start_agent(&controller, &node, &store);
+    eventually("the agent is back", || async {
+        (controller.sync_metrics.hellos.get("recovered") >= 1).then_some(())
+    })
+    .await;
+    assert_eq!(controller.sync_metrics.hellos.get("inventory"), 0);
+    assert_eq!(store.credential_count(), 1, "only t4's key is held");
+}

@@ -658,11 +658,25 @@ impl Driver {
     /// What the Hello says the agent holds, if it can be told without a
     /// list: listed, empty, or a digest that matches what this process saw
     /// that store acknowledge or what the Devices' statuses say was
-    /// delivered.
+    /// delivered (with the node's rules and device keys as they are now).
     fn known_holdings(&self, opening: Opening) -> Option<Holdings> {
         let (known, how) = opening.known(
             |digest| self.agents.remembered(&self.node, &self.store_id, digest),
-            || delivered_to(&self.node, self.devices.state().iter().map(|d| &**d)),
+            || {
+                // Devices as their statuses say; rules and device keys as
+                // the index has them now (if the agent holds other
+                // versions, the digest will not match and it is asked).
+                let mut delivered =
+                    delivered_to(&self.node, self.devices.state().iter().map(|d| &**d));
+                delivered.extend(
+                    self.desired
+                        .borrow()
+                        .iter()
+                        .filter(|(key, _)| !key.is_device())
+                        .map(|(key, entry)| (key.clone(), entry.version.clone())),
+                );
+                delivered
+            },
         );
         self.metrics.hellos.inc(how);
         if known.is_none() {
@@ -753,6 +767,7 @@ impl Driver {
                     let what = match key.kind {
                         ResourceKind::Device => format!("generation {}", version.generation),
                         ResourceKind::Rule => "the rule".to_owned(),
+                        ResourceKind::Credential => "its credential".to_owned(),
                     };
                     self.events.publish(
                         resource_reference(&key, &version.uid),

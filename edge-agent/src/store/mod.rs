@@ -37,6 +37,7 @@ use std::time::{Duration, Instant};
 
 use edgefleet_shared::api::Transport;
 use edgefleet_shared::codec::{DesiredState, DeviceEvent, DeviceReport, FirmwareOrder};
+use edgefleet_shared::credential::Psk;
 use edgefleet_shared::health_check::{self, HealthCheck, HealthState};
 use edgefleet_shared::health_gate::HealthGate;
 use edgefleet_shared::key::ResourceKind;
@@ -231,32 +232,92 @@ pub struct HeldRule {
     pub rule: proto::RuleDesired,
 }
 
+/// A resource kept as the protocol's own encoding of it.
+fn encode_resource(
+    key: &ResourceKey,
+    version: &ResourceVersion,
+    body: proto::resource::Body,
+) -> Vec<u8> {
+    use prost::Message;
+    proto::Resource {
+        key: key.to_string(),
+        version: Some(version.into()),
+        body: Some(body),
+    }
+    .encode_to_vec()
+}
+
+/// A resource kept by [`encode_resource`], decoded by `kind` (`None`: not
+/// of its kind).
+fn decode_resource<T>(
+    key: &[u8],
+    bytes: &[u8],
+    kind: &str,
+    of_kind: impl FnOnce(ResourceVersion, proto::resource::Body) -> Option<T>,
+) -> Result<T, StoreError> {
+    use prost::Message;
+    let corrupt = |reason: String| StoreError::Corrupt {
+        key: String::from_utf8_lossy(key).into_owned(),
+        reason,
+    };
+    let resource = proto::Resource::decode(bytes).map_err(|e| corrupt(e.to_string()))?;
+    match (resource.version, resource.body) {
+        (Some(version), Some(body)) => of_kind((&version).into(), body),
+        _ => None,
+    }
+    .ok_or_else(|| corrupt(format!("not a {kind}")))
+}
+
 impl HeldRule {
-    // Kept as the protocol's own encoding of the Resource.
     fn encode(&self, key: &ResourceKey) -> Vec<u8> {
-        use prost::Message;
-        proto::Resource {
-            key: key.to_string(),
-            version: Some((&self.version).into()),
-            body: Some(proto::resource::Body::Rule(self.rule.clone())),
-        }
-        .encode_to_vec()
+        encode_resource(
+            key,
+            &self.version,
+            proto::resource::Body::Rule(self.rule.clone()),
+        )
     }
 
     fn decode(key: &[u8], bytes: &[u8]) -> Result<Self, StoreError> {
-        use prost::Message;
-        let corrupt = |reason: String| StoreError::Corrupt {
-            key: String::from_utf8_lossy(key).into_owned(),
-            reason,
-        };
-        let resource = proto::Resource::decode(bytes).map_err(|e| corrupt(e.to_string()))?;
-        match (resource.version, resource.body) {
-            (Some(version), Some(proto::resource::Body::Rule(rule))) => Ok(HeldRule {
-                version: (&version).into(),
-                rule,
-            }),
-            _ => Err(corrupt("not a rule".into())),
-        }
+        decode_resource(key, bytes, "rule", |version, body| match body {
+            proto::resource::Body::Rule(rule) => Some(HeldRule { version, rule }),
+            _ => None,
+        })
+    }
+}
+
+/// A device's key as its agent holds it (see
+/// [`edgefleet_shared::credential`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct HeldCredential {
+    /// The Secret's uid and the key's digest.
+    pub version: ResourceVersion,
+    /// The key.
+    pub psk: Psk,
+}
+
+impl HeldCredential {
+    fn encode(&self, key: &ResourceKey) -> Vec<u8> {
+        let body = proto::resource::Body::Credential(proto::DeviceCredential {
+            namespace: key.namespace.clone(),
+            device: key.name.clone(),
+            psk: self.psk.as_bytes().to_vec(),
+        });
+        encode_resource(key, &self.version, body)
+    }
+
+    fn decode(key: &[u8], bytes: &[u8]) -> Result<Self, StoreError> {
+        decode_resource(
+            key,
+            bytes,
+            "device credential",
+            |version, body| match body {
+                proto::resource::Body::Credential(c) => Some(HeldCredential {
+                    version,
+                    psk: Psk::new(c.psk).ok()?,
+                }),
+                _ => None,
+            },
+        )
     }
 }
 
@@ -267,6 +328,8 @@ pub enum Desired {
     Device(Box<DesiredDevice>),
     /// An EdgeRule.
     Rule(Box<HeldRule>),
+    /// A device's key.
+    Credential(HeldCredential),
 }
 
 impl From<DesiredDevice> for Desired {
@@ -628,6 +691,8 @@ pub struct Store {
     desired: sled::Tree,
     // Rules by key (see HeldRule).
     rules: sled::Tree,
+    // Device keys by credential key (see edgefleet_shared::credential).
+    credentials: sled::Tree,
     // Where each rule stands for each device it watches (see rules).
     rule_watches: sled::Tree,
     reported: sled::Tree,
@@ -963,6 +1028,7 @@ impl Store {
             flusher: GroupFlush::start(db.clone(), seqs, files),
             desired: tree("desired")?,
             rules: tree("rules")?,
+            credentials: tree("credentials")?,
             rule_watches: tree("rule_watches")?,
             reported: tree("reported")?,
             reports_out: tree(REPORTS_TREE)?,
@@ -1193,7 +1259,29 @@ impl Store {
     pub fn held(&self) -> Result<Vec<(ResourceKey, ResourceVersion)>, StoreError> {
         let devices = self.devices()?.into_iter().map(|(k, d)| (k, d.version));
         let rules = self.rules()?.into_iter().map(|(k, r)| (k, r.version));
-        Ok(devices.chain(rules).collect())
+        let credentials = self
+            .credentials
+            .iter()
+            .map(|item| {
+                let (k, v) = item?;
+                Ok((parse_key(&k)?, HeldCredential::decode(&k, &v)?.version))
+            })
+            .collect::<Result<Vec<_>, StoreError>>()?;
+        Ok(devices.chain(rules).chain(credentials).collect())
+    }
+
+    /// The key of `device` (a Device's key), if the agent holds one.
+    pub fn credential(&self, device: &ResourceKey) -> Result<Option<Psk>, StoreError> {
+        let k = edgefleet_shared::credential::key_of(device).to_string();
+        self.credentials
+            .get(k.as_bytes())?
+            .map(|v| HeldCredential::decode(k.as_bytes(), &v).map(|c| c.psk))
+            .transpose()
+    }
+
+    /// How many device keys the agent holds.
+    pub fn credential_count(&self) -> usize {
+        self.credentials.len()
     }
 
     /// Every rule the agent holds, in key order.
@@ -1255,6 +1343,7 @@ impl Store {
             .collect();
         let mut devices = Vec::new();
         let mut rules = Vec::new();
+        let mut credentials = Vec::new();
         for (key, desired) in upserts {
             match desired.clone().into() {
                 Desired::Device(device) => {
@@ -1267,6 +1356,7 @@ impl Store {
                     devices.push((key.to_string(), *device));
                 }
                 Desired::Rule(rule) => rules.push((key.to_string(), rule.encode(key))),
+                Desired::Credential(c) => credentials.push((key.to_string(), c.encode(key))),
             }
         }
         let upserts = devices;
@@ -1277,6 +1367,7 @@ impl Store {
         let trees = (
             &self.desired,
             &self.rules,
+            &self.credentials,
             &self.reported,
             &self.reports_out,
             &self.event_ids,
@@ -1284,8 +1375,8 @@ impl Store {
         // Devices whose new generation arrives held: what they are told
         // does not change, so the publishers are not told either.
         let held_now = std::cell::RefCell::new(std::collections::HashSet::new());
-        let result =
-            trees.transaction(|(desired, held_rules, reported, reports_out, event_ids)| {
+        let result = trees.transaction(
+            |(desired, held_rules, keys, reported, reports_out, event_ids)| {
                 held_now.borrow_mut().clear();
                 for (key, device) in &upserts {
                     // Overrides of rules at this agent stay on the same
@@ -1319,10 +1410,15 @@ impl Store {
                 for (key, rule) in &rules {
                     held_rules.insert(key.as_bytes(), rule.as_slice())?;
                 }
+                for (key, credential) in &credentials {
+                    keys.insert(key.as_bytes(), credential.as_slice())?;
+                }
                 for key in removals {
+                    let key_bytes = key.to_string();
                     match key.kind {
-                        ResourceKind::Device => desired.remove(key.to_string().as_bytes())?,
-                        ResourceKind::Rule => held_rules.remove(key.to_string().as_bytes())?,
+                        ResourceKind::Device => desired.remove(key_bytes.as_bytes())?,
+                        ResourceKind::Rule => held_rules.remove(key_bytes.as_bytes())?,
+                        ResourceKind::Credential => keys.remove(key_bytes.as_bytes())?,
                     };
                 }
                 for key in &leaving {
@@ -1334,11 +1430,12 @@ impl Store {
                     event_ids.remove(key.as_bytes())?;
                 }
                 Ok(())
-            });
+            },
+        );
         result.map_err(from_transaction)?;
         drop(outbox_state);
         self.flusher.flush().await?;
-        if !rules.is_empty() || removals.iter().any(|k| !k.is_device()) {
+        if !rules.is_empty() || removals.iter().any(|k| k.kind == ResourceKind::Rule) {
             self.rules_changed.notify_one();
         }
         if paced {

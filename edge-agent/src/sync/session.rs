@@ -14,6 +14,7 @@ use std::collections::{BTreeMap, VecDeque};
 
 use edgefleet_shared::api::Transport;
 use edgefleet_shared::codec::FirmwareOrder;
+use edgefleet_shared::credential::Psk;
 use edgefleet_shared::health_check::{HealthCheck, HealthStage};
 use edgefleet_shared::holdings::HoldingsDigest;
 use edgefleet_shared::key::ResourceKind;
@@ -21,7 +22,7 @@ use edgefleet_shared::proto::{self, Flow, agent_message, cloud_message, resource
 use edgefleet_shared::{PropertyValue, ResourceKey, ResourceVersion};
 use prost::Message;
 
-use crate::store::{Desired, DesiredDevice, HeldRule, PendingUplink};
+use crate::store::{Desired, DesiredDevice, HeldCredential, HeldRule, PendingUplink};
 
 /// What the driver is to do with a message from the cloud.
 #[derive(Clone, Debug, PartialEq)]
@@ -214,6 +215,16 @@ fn desired(resource: &proto::Resource) -> Result<(ResourceKey, Desired), String>
         }
         (ResourceKind::Rule, Some(resource::Body::Rule(rule))) => {
             Ok((key, Desired::Rule(Box::new(held_rule(version, rule)?))))
+        }
+        (ResourceKind::Credential, Some(resource::Body::Credential(c))) => {
+            if (c.namespace.as_str(), c.device.as_str()) != (&key.namespace, &key.name) {
+                return Err(format!(
+                    "{key} carries the key of device {}/{}",
+                    c.namespace, c.device
+                ));
+            }
+            let psk = Psk::new(c.psk.clone()).map_err(|e| format!("{key}: {e}"))?;
+            Ok((key, Desired::Credential(HeldCredential { version, psk })))
         }
         _ => Err(format!("{key} has no body of its kind")),
     }

@@ -1,0 +1,384 @@
+//! Device keys, from Secrets to the agents (see
+//! [`edgefleet_shared::credential`]).
+//!
+//! A key goes to the agent of its Device's node, as the resource
+//! `credential/<namespace>/<device>`, when exactly one valid Secret claims
+//! the Device. It leaves that agent when the Secret is deleted (revocation),
+//! when the Device is deleted or moves to another node, or when a second
+//! Secret claims the same Device (ambiguous: refused until one goes). A
+//! rotated key is a new version and replaces the old one.
+//!
+//! [`Join`] is the pure part: what each Device's credential is, from what
+//! was seen of Secrets and Devices. Each change touches one Device's entry.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
+
+use edgefleet_shared::ResourceKey;
+use edgefleet_shared::api::Device;
+use edgefleet_shared::credential::{self, DEVICE_LABEL, PSK_KEY, Psk, SECRET_TYPE};
+use edgefleet_shared::proto::{self, resource};
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Secret;
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, ResourceExt};
+
+use crate::index::{Index, Indexed};
+
+/// One Secret's claim on a Device.
+#[derive(Clone, Debug)]
+struct Claim {
+    device: ResourceKey,
+    uid: String,
+    psk: Result<Psk, String>,
+}
+
+/// What is known of device Secrets and of Devices' nodes.
+#[derive(Debug, Default)]
+pub struct Join {
+    // By (namespace, Secret name).
+    secrets: HashMap<(String, String), Claim>,
+    // The Secrets claiming each Device.
+    claims: HashMap<ResourceKey, BTreeSet<String>>,
+    // The node of each Device.
+    nodes: HashMap<ResourceKey, String>,
+}
+
+impl Join {
+    /// Takes in a Secret; returns the Devices whose credential may have
+    /// changed.
+    pub fn secret_applied(&mut self, secret: &Secret) -> Vec<ResourceKey> {
+        let namespace = secret.namespace().unwrap_or_default();
+        let name = secret.name_any();
+        let mut touched = self.secret_deleted(&namespace, &name);
+        let Some(device) = secret.labels().get(DEVICE_LABEL) else {
+            tracing::warn!(%namespace, secret = %name, "a {SECRET_TYPE} Secret without the label {DEVICE_LABEL}: it is for no device");
+            return touched;
+        };
+        let device = ResourceKey::device(&namespace, device);
+        let psk = secret
+            .data
+            .as_ref()
+            .and_then(|d| d.get(PSK_KEY))
+            .ok_or_else(|| format!("it has no data key {PSK_KEY:?}"))
+            .and_then(|b| Psk::new(b.0.clone()).map_err(|e| e.to_string()));
+        if let Err(reason) = &psk {
+            tracing::warn!(%namespace, secret = %name, device = %device.name, %reason, "device key refused; the device gets no credential");
+        }
+        self.claims
+            .entry(device.clone())
+            .or_default()
+            .insert(name.clone());
+        self.secrets.insert(
+            (namespace, name),
+            Claim {
+                device: device.clone(),
+                uid: secret.uid().unwrap_or_default(),
+                psk,
+            },
+        );
+        touched.push(device);
+        touched
+    }
+
+    /// Forgets a Secret; returns the Device it claimed.
+    pub fn secret_deleted(&mut self, namespace: &str, name: &str) -> Vec<ResourceKey> {
+        let Some(claim) = self
+            .secrets
+            .remove(&(namespace.to_owned(), name.to_owned()))
+        else {
+            return Vec::new();
+        };
+        if let Some(names) = self.claims.get_mut(&claim.device) {
+            names.remove(name);
+            if names.is_empty() {
+                self.claims.remove(&claim.device);
+            }
+        }
+        vec![claim.device]
+    }
+
+    /// Takes in where a Device is (`None`: deleted or being deleted);
+    /// returns whether that changed.
+    pub fn device_on(&mut self, device: &ResourceKey, node: Option<&str>) -> bool {
+        match node {
+            Some(node) => {
+                self.nodes
+                    .insert(device.clone(), node.to_owned())
+                    .as_deref()
+                    != Some(node)
+            }
+            None => self.nodes.remove(device).is_some(),
+        }
+    }
+
+    /// Every Device a Secret claims or a node holds.
+    fn known(&self) -> BTreeSet<ResourceKey> {
+        self.claims
+            .keys()
+            .chain(self.nodes.keys())
+            .cloned()
+            .collect()
+    }
+
+    /// Where `device`'s credential goes now, with its body: on its node
+    /// when exactly one valid Secret claims it; nowhere otherwise.
+    pub fn placement(&self, device: &ResourceKey) -> BTreeMap<String, Indexed> {
+        let (Some(node), Some(names)) = (self.nodes.get(device), self.claims.get(device)) else {
+            return BTreeMap::new();
+        };
+        let [name] = names.iter().collect::<Vec<_>>()[..] else {
+            tracing::warn!(device = %device, secrets = ?names, "more than one Secret claims this device; it gets no credential until one is deleted");
+            return BTreeMap::new();
+        };
+        let claim = &self.secrets[&(device.namespace.clone(), name.clone())];
+        let Ok(psk) = &claim.psk else {
+            return BTreeMap::new();
+        };
+        let entry = Indexed {
+            version: credential::version(&claim.uid, psk),
+            body: resource::Body::Credential(proto::DeviceCredential {
+                namespace: device.namespace.clone(),
+                device: device.name.clone(),
+                psk: psk.as_bytes().to_vec(),
+            }),
+        };
+        BTreeMap::from([(node.clone(), entry)])
+    }
+}
+
+/// The join, and the index it keeps current.
+#[derive(Debug)]
+pub struct Credentials {
+    join: Mutex<Join>,
+    index: Arc<Index>,
+}
+
+impl Credentials {
+    /// Keeps `index` current.
+    pub fn new(index: Arc<Index>) -> Self {
+        Credentials {
+            join: Mutex::new(Join::default()),
+            index,
+        }
+    }
+
+    fn place(&self, join: &Join, devices: impl IntoIterator<Item = ResourceKey>) {
+        for device in devices {
+            self.index
+                .place(&credential::key_of(&device), join.placement(&device));
+        }
+    }
+
+    /// A Device was created or changed.
+    pub fn device_applied(&self, device: &Device) {
+        let key = ResourceKey::device(device.namespace().unwrap_or_default(), device.name_any());
+        let node = device
+            .metadata
+            .deletion_timestamp
+            .is_none()
+            .then_some(device.spec.node.as_str());
+        let mut join = self.join.lock().expect("credentials lock");
+        if join.device_on(&key, node) {
+            self.place(&join, [key]);
+        }
+    }
+
+    /// A Device was deleted.
+    pub fn device_deleted(&self, key: &ResourceKey) {
+        let mut join = self.join.lock().expect("credentials lock");
+        if join.device_on(key, None) {
+            self.place(&join, [key.clone()]);
+        }
+    }
+
+    /// The Devices were listed anew: exactly these exist.
+    pub fn devices_listed(&self, devices: &[Device]) {
+        let mut join = self.join.lock().expect("credentials lock");
+        let before = join.known();
+        join.nodes.clear();
+        for device in devices
+            .iter()
+            .filter(|d| d.metadata.deletion_timestamp.is_none())
+        {
+            let key =
+                ResourceKey::device(device.namespace().unwrap_or_default(), device.name_any());
+            join.nodes.insert(key, device.spec.node.clone());
+        }
+        let all: BTreeSet<_> = before.union(&join.known()).cloned().collect();
+        self.place(&join, all);
+    }
+
+    /// The Secrets were listed anew: exactly these exist.
+    fn secrets_listed(&self, secrets: &[Secret]) {
+        let mut join = self.join.lock().expect("credentials lock");
+        let before = join.known();
+        join.secrets.clear();
+        join.claims.clear();
+        for secret in secrets {
+            join.secret_applied(secret);
+        }
+        let all: BTreeSet<_> = before.union(&join.known()).cloned().collect();
+        self.place(&join, all);
+    }
+
+    fn secret_applied(&self, secret: &Secret) {
+        let mut join = self.join.lock().expect("credentials lock");
+        let touched = join.secret_applied(secret);
+        self.place(&join, touched);
+    }
+
+    fn secret_deleted(&self, secret: &Secret) {
+        let mut join = self.join.lock().expect("credentials lock");
+        let touched =
+            join.secret_deleted(&secret.namespace().unwrap_or_default(), &secret.name_any());
+        self.place(&join, touched);
+    }
+}
+
+/// Watches the device Secrets of `api` into `credentials`. Returns once
+/// they were listed (so no agent is told to drop a key because the
+/// controller had not read it yet) with the task that goes on watching.
+pub async fn start(
+    api: Api<Secret>,
+    credentials: Arc<Credentials>,
+) -> impl std::future::Future<Output = ()> + Send + 'static {
+    let config = watcher::Config::default().fields(&format!("type={SECRET_TYPE}"));
+    let mut events = Box::pin(watcher(api, config).backoff(crate::run::watch_backoff()));
+    let mut relist = Vec::new();
+    let mut handle = move |event: Result<watcher::Event<Secret>, watcher::Error>| -> bool {
+        match event {
+            Ok(watcher::Event::Apply(secret)) => credentials.secret_applied(&secret),
+            Ok(watcher::Event::Delete(secret)) => credentials.secret_deleted(&secret),
+            Ok(watcher::Event::Init) => relist.clear(),
+            Ok(watcher::Event::InitApply(secret)) => relist.push(secret),
+            Ok(watcher::Event::InitDone) => {
+                credentials.secrets_listed(&relist);
+                relist.clear();
+                return true;
+            }
+            Err(error) => {
+                tracing::warn!(%error, "device Secret watch failed (is the controller allowed to list and watch Secrets?); retrying");
+            }
+        }
+        false
+    };
+    while let Some(event) = events.next().await {
+        if handle(event) {
+            break;
+        }
+    }
+    async move {
+        while let Some(event) = events.next().await {
+            handle(event);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::ByteString;
+
+    fn secret(name: &str, device: Option<&str>, psk: &[u8], uid: &str) -> Secret {
+        let mut s = Secret {
+            type_: Some(SECRET_TYPE.into()),
+            data: Some(BTreeMap::from([(
+                PSK_KEY.to_owned(),
+                ByteString(psk.to_vec()),
+            )])),
+            ..Secret::default()
+        };
+        s.metadata.name = Some(name.into());
+        s.metadata.namespace = Some("plant".into());
+        s.metadata.uid = Some(uid.into());
+        if let Some(device) = device {
+            s.metadata.labels = Some(BTreeMap::from([(
+                DEVICE_LABEL.to_owned(),
+                device.to_owned(),
+            )]));
+        }
+        s
+    }
+
+    fn psk_on(join: &Join, device: &ResourceKey) -> Option<(String, Vec<u8>)> {
+        let placed = join.placement(device);
+        let (node, entry) = placed.into_iter().next()?;
+        let resource::Body::Credential(c) = entry.body else {
+            panic!("not a credential")
+        };
+        Some((node, c.psk))
+    }
+
+    const KEY: &[u8] = b"0123456789abcdef";
+    const ROTATED: &[u8] = b"fedcba9876543210";
+
+    #[test]
+    fn a_key_goes_to_its_devices_node_and_follows_it() {
+        let mut join = Join::default();
+        let t1 = ResourceKey::device("plant", "t1");
+        assert_eq!(
+            join.secret_applied(&secret("t1-psk", Some("t1"), KEY, "s1")),
+            vec![t1.clone()]
+        );
+        assert_eq!(psk_on(&join, &t1), None, "no Device yet: nowhere");
+        assert!(join.device_on(&t1, Some("edge-1")));
+        assert_eq!(psk_on(&join, &t1), Some(("edge-1".into(), KEY.to_vec())));
+        assert!(!join.device_on(&t1, Some("edge-1")), "unchanged");
+        assert!(join.device_on(&t1, Some("edge-2")));
+        assert_eq!(psk_on(&join, &t1), Some(("edge-2".into(), KEY.to_vec())));
+        assert!(join.device_on(&t1, None));
+        assert_eq!(psk_on(&join, &t1), None, "deleted Device: nowhere");
+    }
+
+    #[test]
+    fn rotation_is_a_new_version_and_deletion_revokes() {
+        let mut join = Join::default();
+        let t1 = ResourceKey::device("plant", "t1");
+        join.device_on(&t1, Some("edge-1"));
+        join.secret_applied(&secret("t1-psk", Some("t1"), KEY, "s1"));
+        let first = join.placement(&t1)["edge-1"].version.clone();
+        join.secret_applied(&secret("t1-psk", Some("t1"), ROTATED, "s1"));
+        let rotated = join.placement(&t1)["edge-1"].version.clone();
+        assert_ne!(first, rotated);
+        assert_eq!(psk_on(&join, &t1).unwrap().1, ROTATED);
+        assert_eq!(join.secret_deleted("plant", "t1-psk"), vec![t1.clone()]);
+        assert_eq!(psk_on(&join, &t1), None);
+    }
+
+    #[test]
+    fn a_relabelled_secret_moves_its_key_to_the_other_device() {
+        let mut join = Join::default();
+        let (t1, t2) = (
+            ResourceKey::device("plant", "t1"),
+            ResourceKey::device("plant", "t2"),
+        );
+        join.device_on(&t1, Some("edge-1"));
+        join.device_on(&t2, Some("edge-1"));
+        join.secret_applied(&secret("k", Some("t1"), KEY, "s1"));
+        let touched = join.secret_applied(&secret("k", Some("t2"), KEY, "s1"));
+        assert_eq!(touched, vec![t1.clone(), t2.clone()]);
+        assert_eq!(psk_on(&join, &t1), None);
+        assert!(psk_on(&join, &t2).is_some());
+    }
+
+    #[test]
+    fn invalid_unlabelled_and_ambiguous_secrets_give_no_credential() {
+        let mut join = Join::default();
+        let t1 = ResourceKey::device("plant", "t1");
+        join.device_on(&t1, Some("edge-1"));
+        assert!(
+            join.secret_applied(&secret("none", None, KEY, "s0"))
+                .is_empty()
+        );
+        join.secret_applied(&secret("short", Some("t1"), b"short", "s1"));
+        assert_eq!(psk_on(&join, &t1), None, "too short");
+        join.secret_deleted("plant", "short");
+        join.secret_applied(&secret("a", Some("t1"), KEY, "s2"));
+        assert!(psk_on(&join, &t1).is_some());
+        join.secret_applied(&secret("b", Some("t1"), ROTATED, "s3"));
+        assert_eq!(psk_on(&join, &t1), None, "two Secrets claim t1");
+        join.secret_deleted("plant", "a");
+        assert_eq!(psk_on(&join, &t1).unwrap().1, ROTATED);
+    }
+}
