@@ -86,6 +86,11 @@ struct Cli {
     /// Where the embedded broker listens (unused with --mqtt-url).
     #[arg(long, env = "EDGEFLEET_MQTT_LISTEN", default_value = "127.0.0.1:1883")]
     mqtt_listen: SocketAddr,
+    /// Devices log in to the embedded broker with their own keys, and may
+    /// publish and subscribe only to their own topics (a guard on
+    /// --mqtt-listen in front of the broker, which moves to loopback).
+    #[arg(long, env = "EDGEFLEET_MQTT_DEVICE_AUTH", conflicts_with = "mqtt_url")]
+    mqtt_device_auth: bool,
     /// At most this many device events wait in the outbox for the cloud.
     /// At the bound the oldest event is dropped for the new one; drops are
     /// counted (`edgefleet_agent_events_dropped_total`) and reported to the
@@ -208,7 +213,38 @@ async fn main() -> anyhow::Result<()> {
         "Retained desired states cleared for deleted devices",
         mqtt_metrics.desired_cleared.clone(),
     );
-    let broker = broker_address(&cli)?;
+    let (broker, guarded) = broker_address(&cli)?;
+    let guard_metrics = Arc::new(mqtt::guard::GuardMetrics::default());
+    guard_metrics.logins.register(
+        &mut registry,
+        "mqtt_guard_logins",
+        "MQTT device logins at the guard by outcome (accepted or why refused)",
+    );
+    guard_metrics.ended.register(
+        &mut registry,
+        "mqtt_guard_ended",
+        "MQTT device connections the guard ended after login, by reason",
+    );
+    registry.register(
+        "mqtt_guard_connections",
+        "MQTT device connections open through the guard",
+        guard_metrics.open.clone(),
+    );
+    let guard = async {
+        match guarded {
+            Some((listener, broker, broker_password)) => {
+                let guard = mqtt::guard::Guard {
+                    node: cli.node.clone(),
+                    store: store.clone(),
+                    broker,
+                    broker_password,
+                    metrics: guard_metrics,
+                };
+                mqtt::guard::serve(listener, guard).await
+            }
+            None => std::future::pending().await,
+        }
+    };
 
     let coap_socket = tokio::net::UdpSocket::bind(cli.coap_bind)
         .await
@@ -328,6 +364,7 @@ async fn main() -> anyhow::Result<()> {
         () = sync::run(settings, store.clone()) => {}
         () = mqtt::run(broker, cli.node.clone(), store.clone(), mqtt_metrics, mqtt_check) => {}
         () = gauges => {}
+        () = guard => {}
         () = edgefleet_agent::site_rollback::run(store.clone(), site_rollbacks) => {}
         () = edgefleet_agent::site_pacing::run(store.clone(), pacing) => {}
         () = edgefleet_agent::rules::run(store.clone(), rule_metrics) => {}
@@ -336,8 +373,36 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The broker to use: the external one given, or an embedded one started now.
-fn broker_address(cli: &Cli) -> anyhow::Result<BrokerAddress> {
+/// A guard's listener, the embedded broker behind it, and the password the
+/// guard logs devices in with.
+type Guarded = (tokio::net::TcpListener, SocketAddr, String);
+
+/// The broker to use: the external one given, or an embedded one started
+/// now (behind a guard, with --mqtt-device-auth).
+fn broker_address(cli: &Cli) -> anyhow::Result<(BrokerAddress, Option<Guarded>)> {
+    if cli.mqtt_device_auth {
+        let secrets = mqtt::broker::BrokerSecrets::new(&cli.node);
+        // The broker on a free loopback port; the guard takes --mqtt-listen.
+        let internal = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+        mqtt::broker::start_embedded_broker(internal, Some(secrets.clone()))
+            .with_context(|| format!("start the embedded MQTT broker on {internal}"))?;
+        let listener = std::net::TcpListener::bind(cli.mqtt_listen)
+            .with_context(|| format!("bind the MQTT guard on {}", cli.mqtt_listen))?;
+        listener.set_nonblocking(true)?;
+        let listener = tokio::net::TcpListener::from_std(listener)?;
+        tracing::info!(listen = %cli.mqtt_listen, broker = %internal, "embedded MQTT broker started behind the device guard");
+        let broker = BrokerAddress {
+            host: internal.ip().to_string(),
+            port: internal.port(),
+            login: Some(secrets.agent_login()),
+        };
+        return Ok((broker, Some((listener, internal, secrets.guard_password()))));
+    }
+    Ok((plain_broker_address(cli)?, None))
+}
+
+/// The external broker given, or an embedded one without device logins.
+fn plain_broker_address(cli: &Cli) -> anyhow::Result<BrokerAddress> {
     match &cli.mqtt_url {
         Some(url) => {
             anyhow::ensure!(
@@ -348,10 +413,11 @@ fn broker_address(cli: &Cli) -> anyhow::Result<BrokerAddress> {
             Ok(BrokerAddress {
                 host,
                 port: url.port().unwrap_or(1883),
+                login: None,
             })
         }
         None => {
-            mqtt::start_embedded_broker(cli.mqtt_listen).with_context(|| {
+            mqtt::broker::start_embedded_broker(cli.mqtt_listen, None).with_context(|| {
                 format!("start the embedded MQTT broker on {}", cli.mqtt_listen)
             })?;
             tracing::info!(listen = %cli.mqtt_listen, "embedded MQTT broker started");
@@ -364,6 +430,7 @@ fn broker_address(cli: &Cli) -> anyhow::Result<BrokerAddress> {
             Ok(BrokerAddress {
                 host: ip.to_string(),
                 port: cli.mqtt_listen.port(),
+                login: None,
             })
         }
     }

@@ -66,7 +66,8 @@ async fn desired_state_is_published_retained_and_reports_are_stored() {
         .local_addr()
         .unwrap()
         .port();
-    mqtt::start_embedded_broker(format!("127.0.0.1:{port}").parse().unwrap()).unwrap();
+    mqtt::broker::start_embedded_broker(format!("127.0.0.1:{port}").parse().unwrap(), None)
+        .unwrap();
 
     let tmp = tempfile::tempdir().unwrap();
     let store = Store::open(&tmp.path().join("store")).unwrap().store;
@@ -95,6 +96,7 @@ async fn desired_state_is_published_retained_and_reports_are_stored() {
     let broker = BrokerAddress {
         host: "127.0.0.1".into(),
         port,
+        login: None,
     };
     tokio::spawn(mqtt::run(
         broker,

@@ -39,6 +39,7 @@ fn start_agent(
         BrokerAddress {
             host: broker.addr.ip().to_string(),
             port: broker.addr.port(),
+            login: None,
         },
         NODE.into(),
         store.clone(),

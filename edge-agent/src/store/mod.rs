@@ -686,6 +686,8 @@ pub struct Store {
     reports: broadcast::Sender<ResourceKey>,
     // Woken when the rules held change.
     rules_changed: Arc<Notify>,
+    // Told whenever a device key arrives, changes or goes.
+    credentials_changed: Arc<tokio::sync::watch::Sender<()>>,
     flusher: GroupFlush,
     db: sled::Db,
     desired: sled::Tree,
@@ -1025,6 +1027,7 @@ impl Store {
             desired_changes: broadcast::Sender::new(DESIRED_CHANGES_BUFFER),
             reports: broadcast::Sender::new(DESIRED_CHANGES_BUFFER),
             rules_changed: Arc::new(Notify::new()),
+            credentials_changed: Arc::new(tokio::sync::watch::Sender::new(())),
             flusher: GroupFlush::start(db.clone(), seqs, files),
             desired: tree("desired")?,
             rules: tree("rules")?,
@@ -1279,6 +1282,11 @@ impl Store {
             .transpose()
     }
 
+    /// Changes whenever a device key arrives, changes or goes.
+    pub fn credentials_watch(&self) -> tokio::sync::watch::Receiver<()> {
+        self.credentials_changed.subscribe()
+    }
+
     /// How many device keys the agent holds.
     pub fn credential_count(&self) -> usize {
         self.credentials.len()
@@ -1435,6 +1443,9 @@ impl Store {
         result.map_err(from_transaction)?;
         drop(outbox_state);
         self.flusher.flush().await?;
+        if !credentials.is_empty() || removals.iter().any(|k| k.kind == ResourceKind::Credential) {
+            self.credentials_changed.send_replace(());
+        }
         if !rules.is_empty() || removals.iter().any(|k| k.kind == ResourceKind::Rule) {
             self.rules_changed.notify_one();
         }

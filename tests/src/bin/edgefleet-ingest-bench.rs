@@ -205,6 +205,7 @@ fn run_phase(
                     BrokerAddress {
                         host: broker.addr.ip().to_string(),
                         port: broker.addr.port(),
+                        login: None,
                     },
                     node.clone(),
                     store.clone(),

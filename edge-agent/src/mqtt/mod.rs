@@ -12,8 +12,10 @@
 //! together is written in arrival order and made durable by one flush
 //! (group commit), then acknowledged in that order.
 
-use std::collections::HashMap;
-use std::net::SocketAddr;
+pub mod acl;
+pub mod broker;
+pub mod guard;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -46,58 +48,8 @@ pub struct BrokerAddress {
     pub host: String,
     /// TCP port.
     pub port: u16,
-}
-
-/// Starts an embedded rumqttd broker listening on `listen` (MQTT 3.1.1), in
-/// threads of its own.
-pub fn start_embedded_broker(listen: SocketAddr) -> std::io::Result<()> {
-    let settings = rumqttd::ServerSettings {
-        name: "edgefleet-site".into(),
-        listen,
-        tls: None,
-        next_connection_delay_ms: 1,
-        connections: rumqttd::ConnectionSettings {
-            connection_timeout_ms: 60_000,
-            max_payload_size: BROKER_MAX_PAYLOAD,
-            max_inflight_count: 500,
-            auth: None,
-            external_auth: None,
-            dynamic_filters: true,
-        },
-    };
-    let config = rumqttd::Config {
-        id: 0,
-        router: rumqttd::RouterConfig {
-            max_connections: 10_010,
-            max_outgoing_packet_count: 200,
-            // The router keeps messages in a log per topic filter until
-            // subscribers have them; small segments bound the broker's
-            // memory on an edge box (the default would allow 1 GiB).
-            max_segment_size: 1024 * 1024,
-            max_segment_count: 4,
-            custom_segment: None,
-            initialized_filters: None,
-            shared_subscriptions_strategy: Default::default(),
-        },
-        v4: Some(HashMap::from([("site".to_owned(), settings)])),
-        v5: None,
-        ws: None,
-        cluster: None,
-        console: None,
-        bridge: None,
-        prometheus: None,
-        metrics: None,
-    };
-    // Fail now, with the address in the error, if the port is taken.
-    drop(std::net::TcpListener::bind(listen)?);
-    std::thread::Builder::new()
-        .name("mqtt-broker".into())
-        .spawn(move || {
-            if let Err(error) = rumqttd::Broker::new(config).start() {
-                tracing::error!(%error, "embedded MQTT broker stopped");
-            }
-        })?;
-    Ok(())
+    /// The agent's user name and password there, if it needs one.
+    pub login: Option<(String, String)>,
 }
 
 /// Counters of the MQTT side.
@@ -148,10 +100,13 @@ pub async fn run_with_batch(
     max_batch: usize,
 ) {
     let mut options = MqttOptions::new(
-        format!("edgefleet-agent-{node}"),
+        broker::agent_client_id(&node),
         broker.host.clone(),
         broker.port,
     );
+    if let Some((user, password)) = &broker.login {
+        options.set_credentials(user, password);
+    }
     options
         .set_keep_alive(Duration::from_secs(20))
         // A persistent session under a client id fixed per node: while the
