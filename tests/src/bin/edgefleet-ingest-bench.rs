@@ -15,8 +15,12 @@
 //!   devices never see).
 //!
 //! The phases: CoAP reports with and without the syncs that make a flush
-//! survive a power cut (what they cost), and MQTT events with one flush per
-//! message (the agent before group commit) against one flush per batch.
+//! survive a power cut (what they cost), MQTT events with one flush per
+//! message (the agent before group commit) against one flush per batch,
+//! and MQTT events through the embedded broker with one connection per
+//! device, without logins against behind the guard with each device's key
+//! (what device authentication and topic checks cost; the broker's and the
+//! guard's threads count as the agent's there).
 //! Every device keeps one message outstanding, as the simulated devices do.
 
 use std::collections::{BTreeMap, HashMap};
@@ -27,10 +31,14 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Parser;
 use edgefleet_agent::coap::{self, CoapMetrics};
+use edgefleet_agent::mqtt::acl::user_name;
+use edgefleet_agent::mqtt::broker::{BrokerSecrets, start_embedded_broker};
+use edgefleet_agent::mqtt::guard::{self, Guard};
 use edgefleet_agent::mqtt::{self, BrokerAddress, MqttMetrics};
-use edgefleet_agent::store::{DesiredDevice, Store};
+use edgefleet_agent::store::{Desired, DesiredDevice, HeldCredential, Store};
 use edgefleet_shared::api::Transport;
 use edgefleet_shared::codec::{self, DeviceEvent, EventAck};
+use edgefleet_shared::credential::{self, Psk};
 use edgefleet_shared::{ResourceKey, ResourceVersion, topics};
 use edgefleet_sim::coap::{CoapClient, Request};
 use edgefleet_sim::retransmit::RetransmitParams;
@@ -88,7 +96,7 @@ fn main() -> anyhow::Result<()> {
         cli.seconds,
         cli.dir.display()
     ));
-    let phases: [(&str, Phase); 4] = [
+    let phases: [(&str, Phase); 6] = [
         (
             "CoAP reports, flush without power-cut syncs",
             Phase::Coap { sync: false },
@@ -106,6 +114,14 @@ fn main() -> anyhow::Result<()> {
             Phase::Mqtt {
                 max_batch: mqtt::MAX_BATCH,
             },
+        ),
+        (
+            "MQTT events, embedded broker, no device login",
+            Phase::Embedded { guard: false },
+        ),
+        (
+            "MQTT events, embedded broker behind the guard",
+            Phase::Embedded { guard: true },
         ),
     ];
     let broker_dir = tempfile::tempdir()?;
@@ -129,8 +145,17 @@ fn main() -> anyhow::Result<()> {
 
 #[derive(Clone, Copy, Debug)]
 enum Phase {
-    Coap { sync: bool },
-    Mqtt { max_batch: usize },
+    Coap {
+        sync: bool,
+    },
+    Mqtt {
+        max_batch: usize,
+    },
+    /// One connection per device to the embedded broker, behind the guard
+    /// (each device logs in with its key) or not.
+    Embedded {
+        guard: bool,
+    },
 }
 
 /// What one phase measured.
@@ -176,7 +201,7 @@ fn run_phase(
     let node = format!("ingest-{}", dir.file_name().unwrap().to_string_lossy());
     let transport = match phase {
         Phase::Coap { .. } => Transport::Coap,
-        Phase::Mqtt { .. } => Transport::Mqtt,
+        Phase::Mqtt { .. } | Phase::Embedded { .. } => Transport::Mqtt,
     };
     let store = agent.block_on(seed_store(dir, cli.devices, transport))?;
     let store = match phase {
@@ -214,10 +239,39 @@ fn run_phase(
                     max_batch,
                 ))
                 .abort_handle();
-            let sessions = devices.block_on(connect_sessions(broker.addr, &node, cli.devices))?;
+            let sessions = devices.block_on(connect_sessions(
+                broker.addr,
+                &node,
+                cli.devices,
+                PER_SESSION,
+                false,
+            ))?;
             let cpu = Cpu::now()?;
             let results = devices.block_on(run_sessions(sessions, until));
             (served, (results, cpu.since()?))
+        }
+        Phase::Embedded { guard } => {
+            let (address, device_port, served) = agent.block_on(embedded(&node, &store, guard))?;
+            let served = [
+                served,
+                agent
+                    .spawn(mqtt::run(
+                        address,
+                        node.clone(),
+                        store.clone(),
+                        Arc::new(MqttMetrics::default()),
+                        Default::default(),
+                    ))
+                    .abort_handle(),
+            ];
+            let sessions =
+                devices.block_on(connect_sessions(device_port, &node, cli.devices, 1, guard))?;
+            let cpu = Cpu::now()?;
+            let results = devices.block_on(run_sessions(sessions, until));
+            for task in &served[1..] {
+                task.abort();
+            }
+            (served[0].clone(), (results, cpu.since()?))
         }
     };
     served.abort();
@@ -229,6 +283,67 @@ fn run_phase(
         latencies,
         failures,
     })
+}
+
+/// The key of device `i`.
+fn device_key(i: usize) -> String {
+    format!("bench-key-{i:05}-0123456789")
+}
+
+/// An embedded broker on a free port, behind the guard with every device's
+/// key in `store` or not: the agent's broker address, the port devices
+/// dial, and the guard's task (a task that ends at once without one).
+async fn embedded(
+    node: &str,
+    store: &Store,
+    guard: bool,
+) -> anyhow::Result<(BrokerAddress, SocketAddr, tokio::task::AbortHandle)> {
+    let free = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+    if !guard {
+        start_embedded_broker(free, None)?;
+        let address = BrokerAddress {
+            host: free.ip().to_string(),
+            port: free.port(),
+            login: None,
+        };
+        return Ok((address, free, tokio::spawn(async {}).abort_handle()));
+    }
+    let keys: Vec<_> = store
+        .devices()?
+        .into_iter()
+        .map(|(device, _)| {
+            let i: usize = device.name[1..].parse().expect("d<number>");
+            let psk = Psk::new(device_key(i).into_bytes()).expect("a key");
+            let held = HeldCredential {
+                version: credential::version("bench", &psk),
+                psk,
+            };
+            (credential::key_of(&device), Desired::Credential(held))
+        })
+        .collect();
+    for chunk in keys.chunks(500) {
+        store.apply(chunk, &[]).await?;
+    }
+    let secrets = BrokerSecrets::new(node);
+    start_embedded_broker(free, Some(secrets.clone()))?;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let device_port = listener.local_addr()?;
+    let served = tokio::spawn(guard::serve(
+        listener,
+        Guard {
+            node: node.to_owned(),
+            store: store.clone(),
+            broker: free,
+            broker_password: secrets.guard_password(),
+            metrics: Arc::default(),
+        },
+    ));
+    let address = BrokerAddress {
+        host: free.ip().to_string(),
+        port: free.port(),
+        login: Some(secrets.agent_login()),
+    };
+    Ok((address, device_port, served.abort_handle()))
 }
 
 /// A store in `dir` holding `count` devices.
@@ -306,17 +421,28 @@ async fn collect(
 /// Devices per MQTT connection, as device-sim groups them.
 const PER_SESSION: usize = 50;
 
-/// `count` MQTT devices, `PER_SESSION` to a connection, connected and
-/// subscribed, each with one event confirmed (so setup is not measured).
+/// `count` MQTT devices, `per_session` to a connection (logged in with the
+/// device's key, when one device has a connection of its own and `login`),
+/// connected and subscribed, each with one event confirmed (so setup is not
+/// measured).
 async fn connect_sessions(
     broker: SocketAddr,
     node: &str,
     count: usize,
+    per_session: usize,
+    login: bool,
 ) -> anyhow::Result<Vec<Session>> {
     let mut sessions = Vec::new();
-    for (n, first) in (0..count).step_by(PER_SESSION).enumerate() {
-        let devices: Vec<usize> = (first..(first + PER_SESSION).min(count)).collect();
-        sessions.push(Session::connect(broker, node, n, devices).await?);
+    for (n, first) in (0..count).step_by(per_session).enumerate() {
+        let devices: Vec<usize> = (first..(first + per_session).min(count)).collect();
+        let (client_id, login) = match devices[..] {
+            [i] => (
+                user_name(&key(i)),
+                login.then(|| (user_name(&key(i)), device_key(i))),
+            ),
+            _ => (format!("{node}-devices-{n}"), None),
+        };
+        sessions.push(Session::connect(broker, node, client_id, login, devices).await?);
     }
     Ok(sessions)
 }
@@ -350,16 +476,16 @@ impl Session {
     async fn connect(
         broker: SocketAddr,
         node: &str,
-        n: usize,
+        client_id: String,
+        login: Option<(String, String)>,
         devices: Vec<usize>,
     ) -> anyhow::Result<Session> {
-        let mut options = MqttOptions::new(
-            format!("{node}-devices-{n}"),
-            broker.ip().to_string(),
-            broker.port(),
-        );
+        let mut options = MqttOptions::new(client_id, broker.ip().to_string(), broker.port());
         options.set_keep_alive(Duration::from_secs(30));
-        let (client, mut events) = AsyncClient::new(options, PER_SESSION * 4);
+        if let Some((user, password)) = login {
+            options.set_credentials(user, password);
+        }
+        let (client, mut events) = AsyncClient::new(options, devices.len() * 4 + 4);
         let mut network = events.network_options();
         network.set_tcp_nodelay(true);
         events.set_network_options(network);
