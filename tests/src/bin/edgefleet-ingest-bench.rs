@@ -45,6 +45,7 @@ use edgefleet_sim::retransmit::RetransmitParams;
 use edgefleet_tests::bench::Report;
 use edgefleet_tests::mosquitto::Mosquitto;
 use edgefleet_tests::numbered_report;
+use futures::{StreamExt, TryStreamExt};
 use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
 use tokio::runtime::Runtime;
 
@@ -299,8 +300,18 @@ async fn embedded(
     guard: bool,
 ) -> anyhow::Result<(BrokerAddress, SocketAddr, tokio::task::AbortHandle)> {
     let free = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+    let secrets = BrokerSecrets::new(node);
+    start_embedded_broker(free, guard.then(|| secrets.clone()))?;
+    // The broker starts in threads of its own: wait until it listens.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while tokio::net::TcpStream::connect(free).await.is_err() {
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the embedded broker never listened on {free}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     if !guard {
-        start_embedded_broker(free, None)?;
         let address = BrokerAddress {
             host: free.ip().to_string(),
             port: free.port(),
@@ -324,8 +335,6 @@ async fn embedded(
     for chunk in keys.chunks(500) {
         store.apply(chunk, &[]).await?;
     }
-    let secrets = BrokerSecrets::new(node);
-    start_embedded_broker(free, Some(secrets.clone()))?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let device_port = listener.local_addr()?;
     let served = tokio::spawn(guard::serve(
@@ -432,19 +441,26 @@ async fn connect_sessions(
     per_session: usize,
     login: bool,
 ) -> anyhow::Result<Vec<Session>> {
-    let mut sessions = Vec::new();
-    for (n, first) in (0..count).step_by(per_session).enumerate() {
-        let devices: Vec<usize> = (first..(first + per_session).min(count)).collect();
-        let (client_id, login) = match devices[..] {
-            [i] => (
-                user_name(&key(i)),
-                login.then(|| (user_name(&key(i)), device_key(i))),
-            ),
-            _ => (format!("{node}-devices-{n}"), None),
-        };
-        sessions.push(Session::connect(broker, node, client_id, login, devices).await?);
-    }
-    Ok(sessions)
+    // Connected a few at a time: a connection nobody polls sends no
+    // keep-alive, and the broker drops it after 1.5 keep-alive intervals.
+    let connects = (0..count)
+        .step_by(per_session)
+        .enumerate()
+        .map(|(n, first)| {
+            let devices: Vec<usize> = (first..(first + per_session).min(count)).collect();
+            let (client_id, login) = match devices[..] {
+                [i] => (
+                    user_name(&key(i)),
+                    login.then(|| (user_name(&key(i)), device_key(i))),
+                ),
+                _ => (format!("{node}-devices-{n}"), None),
+            };
+            Session::connect(broker, node, client_id, login, devices)
+        });
+    futures::stream::iter(connects)
+        .buffer_unordered(32)
+        .try_collect()
+        .await
 }
 
 /// Every device of `sessions` sends a new event as soon as the last was
@@ -516,7 +532,9 @@ impl Session {
                 session.send(slot).await?;
             }
             let resend = Instant::now() + Duration::from_secs(1);
-            while let Ok(polled) = tokio::time::timeout_at(resend.into(), session.poll()).await {
+            while !unconfirmed.is_empty()
+                && let Ok(polled) = tokio::time::timeout_at(resend.into(), session.poll()).await
+            {
                 if let Some((slot, _)) = polled? {
                     unconfirmed.retain(|&s| s != slot);
                 }
@@ -580,7 +598,10 @@ impl Session {
                     }
                 }
                 Ok(None) => {}
-                Err(_) => return (latencies, 1),
+                Err(error) => {
+                    eprintln!("a device connection failed: {error:#}");
+                    return (latencies, 1);
+                }
             }
         }
         (latencies, 0)
