@@ -404,6 +404,11 @@ async fn the_controller_may_do_what_it_does_and_nothing_else() {
         ("get", "coordination.k8s.io", "leases", own_ns),
         ("create", "coordination.k8s.io", "leases", own_ns),
         ("update", "coordination.k8s.io", "leases", own_ns),
+        // Device keys: Secrets of type edgefleet.io/device-psk, listed and
+        // watched with a field selector (RBAC cannot narrow a grant by
+        // type; see docs/security.md, "Device keys").
+        ("list", "", "secrets", None),
+        ("watch", "", "secrets", None),
         // Agents' tokens.
         ("create", "authentication.k8s.io", "tokenreviews", None),
         // Agents' certificate requests: it answers and signs them.
@@ -446,8 +451,10 @@ async fn the_controller_may_do_what_it_does_and_nothing_else() {
         ("delete", "edgefleet.io", "edgerules", some_ns),
         ("delete", "events.k8s.io", "events", some_ns),
         ("list", "", "events", some_ns),
+        // It reads Secrets only through its watch: no get, and no writes.
         ("get", "", "secrets", own_ns),
-        ("list", "", "secrets", None),
+        ("create", "", "secrets", some_ns),
+        ("update", "", "secrets", some_ns),
         ("list", "", "configmaps", None),
         ("create", "", "pods", own_ns),
         ("list", "", "nodes", None),
