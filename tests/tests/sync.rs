@@ -109,6 +109,21 @@ async fn create_thermostat(devices: &Api<Device>, name: &str, node: &str, setpoi
         .unwrap();
 }
 
+/// Waits until every Device's status shows its generation delivered.
+async fn every_delivery_shown(devices: &Api<Device>) {
+    eventually("status shows every delivery", || async {
+        let list = devices.list(&Default::default()).await.ok()?;
+        list.items
+            .iter()
+            .all(|d| {
+                let delivered = d.status.as_ref().and_then(|s| s.delivered_generation);
+                delivered.is_some() && delivered == d.metadata.generation
+            })
+            .then_some(())
+    })
+    .await;
+}
+
 fn node_name(hint: &str) -> String {
     format!("{hint}-{}", std::process::id())
 }
@@ -281,17 +296,7 @@ async fn a_reconnecting_agent_is_sent_only_the_difference() {
     // A new controller remembers nothing, but the Devices' statuses say
     // what was delivered: the digest matches them, so no list is needed,
     // and only what changed meanwhile is sent.
-    eventually("status shows every delivery", || async {
-        let list = devices.list(&Default::default()).await.ok()?;
-        list.items
-            .iter()
-            .all(|d| {
-                let delivered = d.status.as_ref().and_then(|s| s.delivered_generation);
-                delivered.is_some() && delivered == d.metadata.generation
-            })
-            .then_some(())
-    })
-    .await;
+    every_delivery_shown(&devices).await;
     agent.abort();
     let _ = agent.await;
     drop(controller);
@@ -1504,17 +1509,7 @@ async fn device_keys_reach_their_agent_and_rotation_and_revocation_follow_also_a
 
     // A new controller recovers what the agent holds, keys included,
     // without asking for its inventory.
-    eventually("status shows every delivery", || async {
-        let list = devices.list(&Default::default()).await.ok()?;
-        list.items
-            .iter()
-            .all(|d| {
-                let delivered = d.status.as_ref().and_then(|s| s.delivered_generation);
-                delivered.is_some() && delivered == d.metadata.generation
-            })
-            .then_some(())
-    })
-    .await;
+    every_delivery_shown(&devices).await;
     agent.abort();
     let _ = agent.await;
     drop(controller);
