@@ -11,7 +11,6 @@
 
 use std::fmt;
 
-use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
 use crate::{ResourceKey, ResourceVersion};
@@ -70,10 +69,7 @@ impl Psk {
     /// cloud and the agent see versions; a digest of a 128-bit random key
     /// gives nothing away.)
     pub fn digest(&self) -> i64 {
-        let hash = Sha256::digest(&self.0);
-        let mut first = [0; 8];
-        first.copy_from_slice(&hash[..8]);
-        i64::from_be_bytes(first) & i64::MAX
+        ResourceVersion::content_digest(&self.0)
     }
 }
 
@@ -86,6 +82,25 @@ impl fmt::Debug for Psk {
 /// The version of the credential held in Secret `secret_uid` as `psk`.
 pub fn version(secret_uid: &str, psk: &Psk) -> ResourceVersion {
     ResourceVersion::new(secret_uid, psk.digest())
+}
+
+/// The MQTT user name and client id of `device`: `<namespace>:<name>`.
+/// Not `/`, which some brokers (rumqttd) refuse in client ids.
+pub fn login_name(device: &ResourceKey) -> String {
+    format!("{}:{}", device.namespace, device.name)
+}
+
+/// The Device a login names, from its user name `<namespace>:<name>`:
+/// both parts Kubernetes names (lowercase letters, digits, `-` and `.`).
+pub fn device_of_login(login: &str) -> Option<ResourceKey> {
+    let (namespace, name) = login.split_once(':')?;
+    let label = |s: &str| {
+        !s.is_empty()
+            && s.len() <= 253
+            && s.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+    };
+    (label(namespace) && label(name)).then(|| ResourceKey::device(namespace, name))
 }
 
 /// The key of the credential of the Device `device` (a device key).

@@ -89,11 +89,7 @@ impl RuleDesired {
     /// maps are ordered), so equal bodies have equal digests.
     pub fn digest(&self) -> i64 {
         use prost::Message;
-        use sha2::{Digest, Sha256};
-        let hash = Sha256::digest(self.encode_to_vec());
-        let mut first = [0; 8];
-        first.copy_from_slice(&hash[..8]);
-        i64::from_be_bytes(first) & i64::MAX
+        crate::ResourceVersion::content_digest(&self.encode_to_vec())
     }
 }
 

@@ -29,6 +29,18 @@ impl ResourceVersion {
         }
     }
 
+    /// A second half for a resource whose generation is its content (a
+    /// rule's body, a device key): the first 63 bits of SHA-256 over
+    /// `content`, so equal contents have equal versions and a change makes
+    /// a new one.
+    pub fn content_digest(content: &[u8]) -> i64 {
+        use sha2::{Digest, Sha256};
+        let hash = Sha256::digest(content);
+        let mut first = [0; 8];
+        first.copy_from_slice(&hash[..8]);
+        i64::from_be_bytes(first) & i64::MAX
+    }
+
     /// Whether an agent holding `held` must be sent `self`: true unless `held`
     /// is the same object at the same or a later generation.
     pub fn is_newer_than(&self, held: &ResourceVersion) -> bool {

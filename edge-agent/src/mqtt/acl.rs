@@ -10,7 +10,7 @@
 //! `event-ack` topics (no wildcards). Everything else is refused. Only the
 //! agent, which reaches the broker without the guard, publishes `desired`.
 
-use edgefleet_shared::credential::Psk;
+use edgefleet_shared::credential::{self, Psk};
 use edgefleet_shared::{ResourceKey, topics};
 use rumqttc::{ConnectReturnCode, LastWill, Login};
 
@@ -75,23 +75,6 @@ pub struct Identity {
     pub device: ResourceKey,
 }
 
-/// The Device a login names, from its user name `<namespace>:<name>`.
-pub fn device_of(user_name: &str) -> Option<ResourceKey> {
-    let (namespace, name) = user_name.split_once(':')?;
-    let label = |s: &str| {
-        !s.is_empty()
-            && s.len() <= 253
-            && s.bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
-    };
-    (label(namespace) && label(name)).then(|| ResourceKey::device(namespace, name))
-}
-
-/// The user name and client id of `device`.
-pub fn user_name(device: &ResourceKey) -> String {
-    format!("{}:{}", device.namespace, device.name)
-}
-
 /// Judges a login: the Device it names, if `key_of` holds its key and the
 /// password is that key.
 pub fn login(
@@ -102,7 +85,7 @@ pub fn login(
     key_of: impl FnOnce(&ResourceKey) -> Option<Psk>,
 ) -> Result<Identity, Refusal> {
     let login = login.ok_or(Refusal::BadUserName)?;
-    let device = device_of(&login.username).ok_or(Refusal::BadUserName)?;
+    let device = credential::device_of_login(&login.username).ok_or(Refusal::BadUserName)?;
     if client_id != login.username {
         return Err(Refusal::ClientIdNotUserName);
     }

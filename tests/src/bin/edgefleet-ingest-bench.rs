@@ -31,7 +31,6 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Parser;
 use edgefleet_agent::coap::{self, CoapMetrics};
-use edgefleet_agent::mqtt::acl::user_name;
 use edgefleet_agent::mqtt::broker::{BrokerSecrets, start_embedded_broker};
 use edgefleet_agent::mqtt::guard::{self, Guard};
 use edgefleet_agent::mqtt::{self, BrokerAddress, MqttMetrics};
@@ -450,8 +449,8 @@ async fn connect_sessions(
             let devices: Vec<usize> = (first..(first + per_session).min(count)).collect();
             let (client_id, login) = match devices[..] {
                 [i] => (
-                    user_name(&key(i)),
-                    login.then(|| (user_name(&key(i)), device_key(i))),
+                    credential::login_name(&key(i)),
+                    login.then(|| (credential::login_name(&key(i)), device_key(i))),
                 ),
                 _ => (format!("{node}-devices-{n}"), None),
             };
