@@ -17,6 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::BytesMut;
+use edgefleet_shared::credential;
 use edgefleet_shared::telemetry::Outcomes;
 use prometheus_client::metrics::gauge::Gauge;
 use rumqttc::mqttbytes::{self, v4};
@@ -175,7 +176,7 @@ async fn connection(guard: &Guard, mut device: TcpStream) -> Result<(), Ended> {
     let mut broker = TcpStream::connect(guard.broker).await?;
     broker.set_nodelay(true)?;
     connect.login = Some(v4::Login::new(
-        acl::user_name(&identity.device),
+        credential::login_name(&identity.device),
         guard.broker_password.clone(),
     ));
     let mut out = BytesMut::new();
@@ -251,7 +252,7 @@ async fn upstream(
 
 /// Returns once the key the device logged in with is no longer its key.
 async fn revoked(guard: &Guard, identity: &Identity, password: String) {
-    let mut changes = guard.store.credentials_watch();
+    let mut changes = guard.store.credential_watch(&identity.device);
     loop {
         let current = guard.store.credential(&identity.device).ok().flatten();
         if !current.is_some_and(|key| key.matches(password.as_bytes())) {

@@ -31,8 +31,8 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use edgefleet_shared::api::Transport;
@@ -686,8 +686,10 @@ pub struct Store {
     reports: broadcast::Sender<ResourceKey>,
     // Woken when the rules held change.
     rules_changed: Arc<Notify>,
-    // Told whenever a device key arrives, changes or goes.
-    credentials_changed: Arc<tokio::sync::watch::Sender<()>>,
+    // By credential key: told when that device's key arrives, changes or
+    // goes. Only devices someone watches (a logged-in MQTT connection) have
+    // an entry, and only a changed key's watchers are told.
+    credential_watchers: Arc<Mutex<HashMap<ResourceKey, tokio::sync::watch::Sender<()>>>>,
     flusher: GroupFlush,
     db: sled::Db,
     desired: sled::Tree,
@@ -1027,7 +1029,7 @@ impl Store {
             desired_changes: broadcast::Sender::new(DESIRED_CHANGES_BUFFER),
             reports: broadcast::Sender::new(DESIRED_CHANGES_BUFFER),
             rules_changed: Arc::new(Notify::new()),
-            credentials_changed: Arc::new(tokio::sync::watch::Sender::new(())),
+            credential_watchers: Arc::default(),
             flusher: GroupFlush::start(db.clone(), seqs, files),
             desired: tree("desired")?,
             rules: tree("rules")?,
@@ -1282,9 +1284,25 @@ impl Store {
             .transpose()
     }
 
-    /// Changes whenever a device key arrives, changes or goes.
-    pub fn credentials_watch(&self) -> tokio::sync::watch::Receiver<()> {
-        self.credentials_changed.subscribe()
+    /// Changes whenever `device`'s key arrives, changes or goes (and not
+    /// when another device's does).
+    pub fn credential_watch(&self, device: &ResourceKey) -> tokio::sync::watch::Receiver<()> {
+        let mut watchers = self.credential_watchers.lock().expect("watchers lock");
+        watchers
+            .entry(edgefleet_shared::credential::key_of(device))
+            .or_insert_with(|| tokio::sync::watch::Sender::new(()))
+            .subscribe()
+    }
+
+    /// Tells the watchers of each of `keys` (credential keys).
+    fn credentials_changed<'k>(&self, keys: impl IntoIterator<Item = &'k ResourceKey>) {
+        let mut watchers = self.credential_watchers.lock().expect("watchers lock");
+        for key in keys {
+            // Nobody left watching (the connections ended): forget it.
+            if watchers.get(key).is_some_and(|tx| tx.send(()).is_err()) {
+                watchers.remove(key);
+            }
+        }
     }
 
     /// How many device keys the agent holds.
@@ -1349,6 +1367,7 @@ impl Store {
             .filter(|k| k.is_device())
             .map(|k| k.to_string())
             .collect();
+        let upserts_keys: Vec<&ResourceKey> = upserts.iter().map(|(k, _)| k).collect();
         let mut devices = Vec::new();
         let mut rules = Vec::new();
         let mut credentials = Vec::new();
@@ -1443,9 +1462,13 @@ impl Store {
         result.map_err(from_transaction)?;
         drop(outbox_state);
         self.flusher.flush().await?;
-        if !credentials.is_empty() || removals.iter().any(|k| k.kind == ResourceKind::Credential) {
-            self.credentials_changed.send_replace(());
-        }
+        self.credentials_changed(
+            upserts_keys
+                .iter()
+                .copied()
+                .chain(removals)
+                .filter(|k| k.kind == ResourceKind::Credential),
+        );
         if !rules.is_empty() || removals.iter().any(|k| k.kind == ResourceKind::Rule) {
             self.rules_changed.notify_one();
         }
