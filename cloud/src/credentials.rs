@@ -13,6 +13,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use edgefleet_shared::ResourceKey;
 use edgefleet_shared::api::Device;
@@ -236,17 +237,28 @@ impl Credentials {
     }
 }
 
+/// How long the first list of device Secrets may take before the
+/// controller gives up starting: long enough for a slow API server, short
+/// enough that a missing grant is an error an operator sees.
+pub const FIRST_LIST_PATIENCE: Duration = Duration::from_secs(60);
+
 /// Watches the device Secrets of `api` into `credentials`. Returns once
 /// they were listed (so no agent is told to drop a key because the
-/// controller had not read it yet) with the task that goes on watching.
+/// controller had not read it yet) with the task that goes on watching;
+/// fails if they could not be listed within `patience` (most often: the
+/// controller may not list Secrets).
 pub async fn start(
     api: Api<Secret>,
     credentials: Arc<Credentials>,
-) -> impl std::future::Future<Output = ()> + Send + 'static {
+    patience: Duration,
+) -> anyhow::Result<impl std::future::Future<Output = ()> + Send + 'static> {
     let config = watcher::Config::default().fields(&format!("type={SECRET_TYPE}"));
     let mut events = Box::pin(watcher(api, config).backoff(crate::run::watch_backoff()));
     let mut relist = Vec::new();
-    let mut handle = move |event: Result<watcher::Event<Secret>, watcher::Error>| -> bool {
+    let mut last_error = None;
+    let mut handle = move |event: Result<watcher::Event<Secret>, watcher::Error>,
+                           last_error: &mut Option<String>|
+          -> bool {
         match event {
             Ok(watcher::Event::Apply(secret)) => credentials.secret_applied(&secret),
             Ok(watcher::Event::Delete(secret)) => credentials.secret_deleted(&secret),
@@ -259,20 +271,35 @@ pub async fn start(
             }
             Err(error) => {
                 tracing::warn!(%error, "device Secret watch failed (is the controller allowed to list and watch Secrets?); retrying");
+                *last_error = Some(error.to_string());
             }
         }
         false
     };
-    while let Some(event) = events.next().await {
-        if handle(event) {
-            break;
-        }
-    }
-    async move {
+    let listed = tokio::time::timeout(patience, async {
         while let Some(event) = events.next().await {
-            handle(event);
+            if handle(event, &mut last_error) {
+                return true;
+            }
         }
+        false
+    })
+    .await;
+    if listed != Ok(true) {
+        anyhow::bail!(
+            "could not list the device Secrets (type {SECRET_TYPE}) within {patience:?}: {}. \
+             The controller's ClusterRole needs list and watch on secrets (deploy/cloud/rbac.yaml)",
+            last_error
+                .as_deref()
+                .unwrap_or("no answer from the API server")
+        );
     }
+    Ok(async move {
+        let mut ignored = None;
+        while let Some(event) = events.next().await {
+            handle(event, &mut ignored);
+        }
+    })
 }
 
 #[cfg(test)]

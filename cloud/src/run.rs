@@ -180,7 +180,13 @@ impl Controller {
             Some(namespace) => Api::<Secret>::namespaced(client.clone(), namespace),
             None => Api::<Secret>::all(client.clone()),
         };
-        tasks.spawn(crate::credentials::start(secrets_api, credentials).await);
+        let credentials = crate::credentials::start(
+            secrets_api,
+            credentials,
+            crate::credentials::FIRST_LIST_PATIENCE,
+        )
+        .await?;
+        tasks.spawn(credentials);
         tasks.spawn(crate::rollout::run(
             rollouts_api,
             Arc::new(rollouts),

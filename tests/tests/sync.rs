@@ -1522,3 +1522,26 @@ async fn device_keys_reach_their_agent_and_rotation_and_revocation_follow_also_a
     assert_eq!(controller.sync_metrics.hellos.get("inventory"), 0);
     assert_eq!(store.credential_count(), 1, "only t4's key is held");
 }
+
+#[tokio::test]
+async fn without_the_grant_to_list_secrets_the_controller_does_not_start_and_names_the_grant() {
+    let cp = control_plane();
+    let kubeconfig = kube::config::Kubeconfig::read_from(cp.kubeconfig()).unwrap();
+    let mut config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+        .await
+        .unwrap();
+    // A service account nobody granted anything.
+    config.auth_info.impersonate = Some("system:serviceaccount:default:no-grants".into());
+    let client = Client::try_from(config).unwrap();
+    let credentials = std::sync::Arc::new(edgefleet_cloud::credentials::Credentials::new(
+        std::sync::Arc::new(edgefleet_cloud::index::Index::default()),
+    ));
+    let started =
+        edgefleet_cloud::credentials::start(Api::all(client), credentials, Duration::from_secs(3))
+            .await;
+    let message = format!("{:#}", started.err().expect("start must fail"));
+    assert!(
+        message.contains("needs list and watch on secrets") && message.contains("forbidden"),
+        "{message}"
+    );
+}
