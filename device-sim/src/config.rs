@@ -17,6 +17,9 @@ pub struct RunConfig {
     pub namespace: String,
     /// Where each node's agent and broker are.
     pub endpoints: Vec<NodeEndpoint>,
+    /// Each device's key (its MQTT password) is derived from this; see
+    /// [`crate::keys`].
+    pub fleet_key: crate::keys::FleetKey,
     /// Seeds every device's randomness.
     pub seed: u64,
     /// How often each device reports when nothing happens.

@@ -9,9 +9,10 @@
 //! - [`fleet`]: names, nodes, models and transports of the devices;
 //! - [`model`]: the device models; [`device`]: one device without I/O;
 //!   [`firmware`]: install times, failures and bad versions;
-//! - [`manifest`]: the Device resources of a fleet;
+//! - [`manifest`]: the Device resources of a fleet and their key Secrets;
+//!   [`keys`]: the devices' keys, derived from one fleet key;
 //! - [`retransmit`]: RFC 7252 retransmission schedule;
-//! - [`coap`]: the shared CoAP client; [`mqtt`]: the per-node MQTT session;
+//! - [`coap`]: the shared CoAP client; [`mqtt`]: each device's MQTT session;
 //! - [`applied_log`]: the latency log; [`summary`]: counters;
 //! - [`run()`]: the simulation itself, configured by [`RunConfig`].
 
@@ -24,6 +25,7 @@ pub mod device;
 pub mod events;
 pub mod firmware;
 pub mod fleet;
+pub mod keys;
 pub mod manifest;
 pub mod model;
 pub mod mqtt;

@@ -21,7 +21,7 @@ use edgefleet_sim::firmware::{FirmwareBehaviour, InstallFailure, parse_duration_
 use edgefleet_sim::fleet::FleetSpec;
 use edgefleet_sim::model::ModelKind;
 use edgefleet_sim::retransmit::RetransmitParams;
-use edgefleet_sim::{NodeEndpoint, RunConfig, manifest};
+use edgefleet_sim::{NodeEndpoint, RunConfig, keys, manifest};
 use tokio::signal::unix::{SignalKind, signal};
 
 #[derive(Debug, Parser)]
@@ -33,8 +33,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Print the fleet's Device resources as YAML documents (one JSON object
-    /// each), for `kubectl apply -f -`.
+    /// Print the fleet's Device resources and their key Secrets as YAML
+    /// documents (one JSON object each), for `kubectl apply -f -`.
     Devices(DevicesArgs),
     /// Simulate the fleet: report to the agents, apply their desired states.
     Run(RunArgs),
@@ -66,6 +66,11 @@ struct FleetArgs {
     /// Seeds the simulation (the Device resources do not depend on it).
     #[arg(long, env = "EDGEFLEET_SIM_SEED", default_value_t = 1)]
     seed: u64,
+    /// Each device's key (the Secrets `devices` prints, the MQTT password
+    /// `run` logs in with) is derived from this. Anyone who knows it knows
+    /// every simulated device's key: set your own outside a lab.
+    #[arg(long, env = "EDGEFLEET_SIM_FLEET_KEY", default_value = keys::LAB_FLEET_KEY, hide_default_value = true)]
+    fleet_key: String,
 }
 
 impl FleetArgs {
@@ -172,12 +177,17 @@ async fn main() -> anyhow::Result<()> {
 fn print_devices(args: &DevicesArgs) -> anyhow::Result<()> {
     let slots = args.fleet.spec(args.nodes.clone()).layout()?;
     let mut out = io::BufWriter::new(io::stdout().lock());
-    let written =
-        manifest::write_devices(&mut out, &args.fleet.namespace, &slots).and_then(|()| out.flush());
+    let written = manifest::write_devices(
+        &mut out,
+        &args.fleet.namespace,
+        &slots,
+        &keys::FleetKey(args.fleet.fleet_key.clone()),
+    )
+    .and_then(|()| out.flush());
     match written {
         // The reader went away (`| head`): not our problem.
         Err(e) if e.kind() == io::ErrorKind::BrokenPipe => Ok(()),
-        other => other.context("writing the Device resources"),
+        other => other.context("writing the Device resources and their Secrets"),
     }
 }
 
@@ -190,6 +200,7 @@ async fn simulate(args: RunArgs) -> anyhow::Result<()> {
     let config = RunConfig {
         fleet: args.fleet.spec(nodes),
         namespace: args.fleet.namespace.clone(),
+        fleet_key: keys::FleetKey(args.fleet.fleet_key.clone()),
         endpoints: args.nodes,
         seed: args.fleet.seed,
         report_interval: args.report_interval,

@@ -1,25 +1,22 @@
-//! MQTT sessions shared by groups of a node's devices.
+//! Each device's MQTT session.
 //!
-//! A session subscribes to the retained desired topic of each of its devices
-//! (QoS 1) and of its event-ack topic, and hands each message to its device
-//! through a [`watch`] channel:
-//! a device only ever needs the latest desired state, and a watch channel
-//! never blocks the session, however slow the device. Devices whose
-//! transport is MQTT publish their reports through their group's client;
-//! their PUBACKs are counted here.
-//!
-//! Why groups of [`DEVICES_PER_SESSION`] and not one session per node with a
-//! wildcard: a broker delivers the retained messages matching a new
-//! subscription at once, and rumqttd (the agent's embedded broker) sends no
-//! more of them than a connection has in-flight slots (100) and drops the
-//! rest. Real devices each have a connection of their own; a group of 50
-//! stays well inside that limit.
+//! Every device has a connection of its own, logged in as itself (client
+//! id and user `<namespace>:<name>`, its key as password), as a site whose
+//! broker checks device logins and topics requires. The session subscribes
+//! to the device's retained desired topic (QoS 1), and for an MQTT device
+//! to its event-ack topic, and hands each message to the device through a
+//! [`watch`] channel: a device only ever needs the latest desired state,
+//! and a watch channel never blocks the session, however slow the device.
+//! Devices whose transport is MQTT publish their reports through their
+//! session's client; their PUBACKs are counted here.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use edgefleet_shared::ResourceKey;
 use edgefleet_shared::codec::{self, CodecError, DesiredState, EventAck};
+use edgefleet_shared::credential::{self, Psk};
 use rumqttc::{AsyncClient, Event, EventLoop, MqttOptions, Outgoing, Packet, QoS};
 use tokio::sync::watch;
 
@@ -28,8 +25,9 @@ use crate::summary::Stats;
 /// How long to wait before reconnecting to the broker.
 const RECONNECT_DELAY: Duration = Duration::from_secs(1);
 
-/// Requests (publishes, subscribes) queued for the event loop at most.
-const REQUEST_QUEUE: usize = 1024;
+/// Requests (publishes, subscribes) queued for the event loop at most: a
+/// device has one report and one event in flight at a time.
+const REQUEST_QUEUE: usize = 16;
 
 /// What a device is told through its desired topic.
 #[derive(Clone, Debug, PartialEq)]
@@ -64,16 +62,16 @@ pub enum Route {
 /// Where the session delivers each topic it subscribes to.
 pub type Routes = HashMap<String, Route>;
 
-/// Devices sharing one MQTT session.
-pub const DEVICES_PER_SESSION: usize = 50;
-
-/// A client for the broker at `host:port`, and the event loop that must be
-/// driven (see [`drive`]) for it to do anything.
-pub fn connect(client_id: &str, host: &str, port: u16) -> (AsyncClient, EventLoop) {
-    let mut options = MqttOptions::new(client_id, host, port);
+/// `device`'s client for the broker at `host:port`, logged in with `key`,
+/// and the event loop that must be driven (see [`drive`]) for it to do
+/// anything.
+pub fn connect(device: &ResourceKey, key: &Psk, host: &str, port: u16) -> (AsyncClient, EventLoop) {
+    let name = credential::login_name(device);
+    let mut options = MqttOptions::new(&name, host, port);
     options
         .set_keep_alive(Duration::from_secs(30))
-        .set_clean_session(true);
+        .set_clean_session(true)
+        .set_credentials(name, String::from_utf8_lossy(key.as_bytes()));
     AsyncClient::new(options, REQUEST_QUEUE)
 }
 

@@ -1,5 +1,5 @@
-//! The simulation at run time: one task per device, and per node one CoAP
-//! client (one UDP socket) and one MQTT session.
+//! The simulation at run time: one task per device and its MQTT session,
+//! and per node one CoAP client (one UDP socket).
 //!
 //! A device task owns its [`SimDevice`]. It wakes up when a desired state
 //! arrives (applies it and reports at once), when its report is due (every
@@ -37,6 +37,7 @@ use crate::config::{NodeEndpoint, RunConfig};
 use crate::device::{Applied, Purpose, SimDevice, device_rng};
 use crate::events::{EventId, EventQueue};
 use crate::fleet::DeviceSlot;
+use crate::keys;
 use crate::model::SimRng;
 use crate::mqtt::{self, Inbox, Route, Routes};
 use crate::retransmit::RetransmitParams;
@@ -202,9 +203,8 @@ struct NodeContext<'a> {
 }
 
 impl NodeContext<'_> {
-    /// Opens the node's CoAP client and its MQTT sessions (one per
-    /// [`mqtt::DEVICES_PER_SESSION`] devices) and spawns its devices and the
-    /// sessions' event loops.
+    /// Opens the node's CoAP client and spawns its devices, each with its
+    /// own MQTT session.
     async fn spawn(
         &self,
         slots: &[&DeviceSlot],
@@ -223,69 +223,66 @@ impl NodeContext<'_> {
                 .await
                 .with_context(|| format!("opening a UDP socket to {agent}"))?,
         );
-        for (group, slots) in slots.chunks(mqtt::DEVICES_PER_SESSION).enumerate() {
-            self.spawn_group(group, slots, &coap, tasks);
+        for slot in slots {
+            self.spawn_device(slot, &coap, tasks);
         }
         Ok(())
     }
 
-    /// Spawns one MQTT session and the devices that share it.
-    fn spawn_group(
+    /// Spawns a device and its MQTT session, logged in with its key.
+    fn spawn_device(
         &self,
-        group: usize,
-        slots: &[&DeviceSlot],
+        slot: &DeviceSlot,
         coap: &Arc<CoapClient>,
         tasks: &mut JoinSet<Option<FinalState>>,
     ) {
         let node = &self.endpoint.name;
-        let client_id = format!("edgefleet-sim-{}-{node}-{group}", std::process::id());
+        let key = ResourceKey::device(&self.config.namespace, &slot.name);
         let (mqtt, eventloop) = mqtt::connect(
-            &client_id,
+            &key,
+            &keys::device_key(&self.config.fleet_key, &key),
             &self.endpoint.mqtt_host,
             self.endpoint.mqtt_port,
         );
 
         let mut routes = Routes::new();
-        for slot in slots {
-            let key = ResourceKey::device(&self.config.namespace, &slot.name);
-            let (inbox_tx, inbox) = watch::channel(None);
-            routes.insert(topics::desired(node, &key), Route::Desired(inbox_tx));
-            let (acks_tx, acks) = watch::channel(EventAck::default());
-            if slot.transport == Transport::Mqtt {
-                routes.insert(topics::event_ack(node, &key), Route::EventAck(acks_tx));
-            }
-            let reporter = match slot.transport {
-                Transport::Coap => Reporter::Coap {
-                    client: Arc::clone(coap),
-                    namespace: key.namespace.clone(),
-                    name: key.name.clone(),
-                    params: self.config.retransmit,
-                },
-                Transport::Mqtt => Reporter::Mqtt {
-                    client: mqtt.clone(),
-                    topic: topics::report(node, &key),
-                    event_topic: topics::event(node, &key),
-                    acks,
-                },
-            };
-            let device = DeviceTask {
-                id: format!("{}/{}", key.namespace, key.name),
-                device: SimDevice::new(slot.model, self.config.seed, slot.index)
-                    .with_steady(slot.index % 100 >= usize::from(self.config.changing_percent))
-                    .with_firmware_rules(Arc::clone(&self.config.firmware)),
-                net_rng: device_rng(self.config.seed, slot.index, Purpose::Network),
-                inbox,
-                reporter,
-                report_interval: self.config.report_interval,
-                event_every: self.config.event_every,
-                events: EventQueue::new(new_boot()),
-                start: self.start,
-                stats: Arc::clone(self.stats),
-                applied_log: self.applied_log.cloned(),
-                stop: self.stop.clone(),
-            };
-            tasks.spawn(device.run());
+        let (inbox_tx, inbox) = watch::channel(None);
+        routes.insert(topics::desired(node, &key), Route::Desired(inbox_tx));
+        let (acks_tx, acks) = watch::channel(EventAck::default());
+        if slot.transport == Transport::Mqtt {
+            routes.insert(topics::event_ack(node, &key), Route::EventAck(acks_tx));
         }
+        let reporter = match slot.transport {
+            Transport::Coap => Reporter::Coap {
+                client: Arc::clone(coap),
+                namespace: key.namespace.clone(),
+                name: key.name.clone(),
+                params: self.config.retransmit,
+            },
+            Transport::Mqtt => Reporter::Mqtt {
+                client: mqtt.clone(),
+                topic: topics::report(node, &key),
+                event_topic: topics::event(node, &key),
+                acks,
+            },
+        };
+        let device = DeviceTask {
+            id: format!("{}/{}", key.namespace, key.name),
+            device: SimDevice::new(slot.model, self.config.seed, slot.index)
+                .with_steady(slot.index % 100 >= usize::from(self.config.changing_percent))
+                .with_firmware_rules(Arc::clone(&self.config.firmware)),
+            net_rng: device_rng(self.config.seed, slot.index, Purpose::Network),
+            inbox,
+            reporter,
+            report_interval: self.config.report_interval,
+            event_every: self.config.event_every,
+            events: EventQueue::new(new_boot()),
+            start: self.start,
+            stats: Arc::clone(self.stats),
+            applied_log: self.applied_log.cloned(),
+            stop: self.stop.clone(),
+        };
+        tasks.spawn(device.run());
         let session = mqtt::drive(
             eventloop,
             mqtt,

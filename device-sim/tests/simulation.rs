@@ -11,6 +11,7 @@ use coap_lite::{CoapOption, MessageClass, MessageType, Packet, ResponseType};
 use edgefleet_shared::codec::{self, DesiredState, DeviceEvent, DeviceReport, EventAck};
 use edgefleet_shared::{PropertyValue, ResourceKey, topics};
 use edgefleet_sim::fleet::FleetSpec;
+use edgefleet_sim::keys::FleetKey;
 use edgefleet_sim::model::ModelKind;
 use edgefleet_sim::retransmit::RetransmitParams;
 use edgefleet_sim::{NodeEndpoint, RunConfig};
@@ -51,7 +52,7 @@ async fn start_broker() -> u16 {
     };
     let config = Config {
         router: RouterConfig {
-            max_connections: 100,
+            max_connections: 1_000,
             max_outgoing_packet_count: 200,
             max_segment_size: 1 << 20,
             max_segment_count: 10,
@@ -201,6 +202,7 @@ fn config(
             mqtt_every,
         },
         namespace: NAMESPACE.into(),
+        fleet_key: FleetKey("test".into()),
         endpoints: vec![NodeEndpoint {
             name: NODE.into(),
             coap: coap.to_string(),
@@ -440,8 +442,8 @@ async fn periodic_scenario() {
     assert!(summary.reports_acknowledged >= 5, "{summary}");
 }
 
-/// More devices on one node than a broker connection has in-flight slots:
-/// every device still gets the desired state retained before it started.
+/// Many devices on one node, each with a connection of its own: every
+/// device gets the desired state retained before it started.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_device_of_a_large_node_gets_its_retained_desired_state() {
     const DEVICES: usize = 250;

@@ -86,11 +86,17 @@ struct Cli {
     /// Where the embedded broker listens (unused with --mqtt-url).
     #[arg(long, env = "EDGEFLEET_MQTT_LISTEN", default_value = "127.0.0.1:1883")]
     mqtt_listen: SocketAddr,
-    /// Devices log in to the embedded broker with their own keys, and may
-    /// publish and subscribe only to their own topics (a guard on
-    /// --mqtt-listen in front of the broker, which moves to loopback).
-    #[arg(long, env = "EDGEFLEET_MQTT_DEVICE_AUTH", conflicts_with = "mqtt_url")]
-    mqtt_device_auth: bool,
+    /// Let anyone on --mqtt-listen use the embedded broker without a login
+    /// and publish or subscribe to any topic, the agent's own included (labs
+    /// only). Without it, a guard on --mqtt-listen logs each device in with
+    /// its own key and lets it use only its own topics, and the broker
+    /// itself listens on loopback.
+    #[arg(
+        long,
+        env = "EDGEFLEET_INSECURE_MQTT_ANONYMOUS_DEVICES",
+        conflicts_with = "mqtt_url"
+    )]
+    insecure_mqtt_anonymous_devices: bool,
     /// At most this many device events wait in the outbox for the cloud.
     /// At the bound the oldest event is dropped for the new one; drops are
     /// counted (`edgefleet_agent_events_dropped_total`) and reported to the
@@ -378,9 +384,9 @@ async fn main() -> anyhow::Result<()> {
 type Guarded = (tokio::net::TcpListener, SocketAddr, String);
 
 /// The broker to use: the external one given, or an embedded one started
-/// now (behind a guard, with --mqtt-device-auth).
+/// now (behind a guard, unless --insecure-mqtt-anonymous-devices).
 fn broker_address(cli: &Cli) -> anyhow::Result<(BrokerAddress, Option<Guarded>)> {
-    if cli.mqtt_device_auth {
+    if cli.mqtt_url.is_none() && !cli.insecure_mqtt_anonymous_devices {
         let secrets = mqtt::broker::BrokerSecrets::new(&cli.node);
         // The broker on a free loopback port; the guard takes --mqtt-listen.
         let internal = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
@@ -420,7 +426,7 @@ fn plain_broker_address(cli: &Cli) -> anyhow::Result<BrokerAddress> {
             mqtt::broker::start_embedded_broker(cli.mqtt_listen, None).with_context(|| {
                 format!("start the embedded MQTT broker on {}", cli.mqtt_listen)
             })?;
-            tracing::info!(listen = %cli.mqtt_listen, "embedded MQTT broker started");
+            tracing::warn!(listen = %cli.mqtt_listen, "embedded MQTT broker started without device logins (--insecure-mqtt-anonymous-devices): anyone who reaches it can read and forge any device's messages");
             // Listening on every address (in a pod): dial it on loopback.
             let ip = match cli.mqtt_listen.ip() {
                 ip if ip.is_unspecified() && ip.is_ipv4() => std::net::Ipv4Addr::LOCALHOST.into(),

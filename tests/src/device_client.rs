@@ -1,10 +1,17 @@
 //! Devices played by a test over the real protocols: a CoAP client on its
-//! own UDP socket, and the next MQTT message on a topic.
+//! own UDP socket, an MQTT login with the device's own key, and the next
+//! MQTT message on a topic.
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use coap_lite::{CoapOption, MessageClass, MessageType, Packet, RequestType, ResponseType};
+use edgefleet_shared::ResourceKey;
+use edgefleet_shared::credential::{self, Psk};
+use edgefleet_sim::keys::{self, FleetKey};
+use edgefleet_sim::manifest;
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::{Api, PostParams};
 use tokio::net::UdpSocket;
 
 use crate::PATIENCE;
@@ -75,6 +82,59 @@ pub fn code(packet: &Packet) -> ResponseType {
         MessageClass::Response(code) => code,
         other => panic!("not a response: {other:?}"),
     }
+}
+
+/// The key a test gives Device `device`: the one `edgefleet-sim devices`
+/// would with the fleet key `test`.
+pub fn test_key(device: &ResourceKey) -> Psk {
+    keys::device_key(&FleetKey("test".into()), device)
+}
+
+/// Creates the Secret with `device`'s [`test_key`], as an operator would
+/// provision it.
+pub async fn give_key(client: &kube::Client, device: &ResourceKey) {
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &device.namespace);
+    let secret = manifest::key_secret(device, &test_key(device));
+    secrets
+        .create(&PostParams::default(), &secret)
+        .await
+        .unwrap_or_else(|e| panic!("create the key Secret of {device}: {e}"));
+}
+
+/// Options for an MQTT client playing `device` on the broker at `broker`:
+/// client id and user `<namespace>:<name>`, its [`test_key`] as password.
+pub fn mqtt_login(broker: SocketAddr, device: &ResourceKey) -> rumqttc::MqttOptions {
+    let name = credential::login_name(device);
+    let key = String::from_utf8(test_key(device).as_bytes().to_vec()).expect("hex digits");
+    let mut options = rumqttc::MqttOptions::new(&name, broker.ip().to_string(), broker.port());
+    options.set_credentials(name, key);
+    options
+}
+
+/// An MQTT client playing `device`, connected: it tries again while the
+/// broker refuses the login (the key may still be on its way to the agent).
+pub async fn mqtt_device(
+    broker: SocketAddr,
+    device: &ResourceKey,
+) -> (rumqttc::AsyncClient, rumqttc::EventLoop) {
+    let connect = async {
+        loop {
+            let (client, mut events) = rumqttc::AsyncClient::new(mqtt_login(broker, device), 64);
+            loop {
+                match events.poll().await {
+                    Ok(rumqttc::Event::Incoming(rumqttc::Packet::ConnAck(_))) => {
+                        return (client, events);
+                    }
+                    Ok(_) => {}
+                    Err(_) => break,
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    tokio::time::timeout(PATIENCE, connect)
+        .await
+        .unwrap_or_else(|_| panic!("{device} could not log in to the broker at {broker}"))
 }
 
 /// The next message on `topic`.

@@ -13,7 +13,7 @@ use kube::api::PostParams;
 use kube::{Api, Client};
 use serde_json::json;
 
-use crate::device_client::{CoapDevice, code, next_on};
+use crate::device_client::{CoapDevice, code, give_key, mqtt_device, next_on};
 use crate::edge_events::device_event_ids;
 use crate::stack::{Stack, StackSpec};
 use crate::{control_plane, create_with_spec, eventually, test_namespace};
@@ -92,6 +92,7 @@ impl Site {
                 .create(&PostParams::default(), &device)
                 .await
                 .unwrap();
+            give_key(&client, &ResourceKey::device(&ns, name)).await;
         }
         create_with_spec::<EdgeRule>(&client, &ns, "overheat", rule)
             .await
@@ -105,9 +106,7 @@ impl Site {
         let agent = &stack.agents[0];
         let valve_key = ResourceKey::device(&ns, "inlet");
         let valve_topic = topics::desired(NODE, &valve_key);
-        let options =
-            rumqttc::MqttOptions::new("test-inlet", agent.mqtt.ip().to_string(), agent.mqtt.port());
-        let (mqtt, events) = rumqttc::AsyncClient::new(options, 64);
+        let (mqtt, events) = mqtt_device(agent.mqtt, &valve_key).await;
         mqtt.subscribe(&valve_topic, rumqttc::QoS::AtLeastOnce)
             .await
             .unwrap();

@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use edgefleet_shared::api::Device;
 use futures::{StreamExt, TryStreamExt};
-use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::api::core::v1::{Namespace, Secret};
 use kube::api::{Patch, PatchParams};
 use kube::{Api, Client};
 
@@ -367,15 +367,18 @@ fn start_agent(dir: &Path, node: &str, args: &[String], restart: u32) -> anyhow:
     Process::start_logged("edgefleet-agent", args, &[], Some(&log))
 }
 
-/// Creates `namespace` if needed and applies the Devices `edgefleet-sim
-/// devices` prints with `flags` (which name that namespace, the fleet and
-/// its nodes): server-side apply, 16 at a time. Returns how many.
-pub async fn apply_sim_devices(
-    client: &Client,
-    namespace: &str,
-    flags: &[String],
-) -> anyhow::Result<usize> {
-    ensure_namespace(client, namespace).await?;
+/// What `edgefleet-sim devices` prints: the Devices and their key Secrets.
+#[derive(Debug)]
+pub struct SimManifests {
+    /// The Device resources.
+    pub devices: Vec<Device>,
+    /// The Secrets with the devices' keys.
+    pub secrets: Vec<Secret>,
+}
+
+/// Runs `edgefleet-sim devices` with `flags` (which name the namespace,
+/// the fleet and its nodes) and reads what it prints.
+pub fn sim_manifests(flags: &[String]) -> anyhow::Result<SimManifests> {
     let out = std::process::Command::new(binary("edgefleet-sim"))
         .arg("devices")
         .args(flags)
@@ -387,28 +390,61 @@ pub async fn apply_sim_devices(
             String::from_utf8_lossy(&out.stderr)
         );
     }
-    let devices: Vec<Device> = String::from_utf8(out.stdout)?
-        .lines()
-        .filter(|l| l.starts_with('{'))
-        .map(serde_json::from_str)
-        .collect::<Result<_, _>>()?;
-    let api: Api<Device> = Api::namespaced(client.clone(), namespace);
-    let params = PatchParams::apply(FIELD_MANAGER).force();
+    let mut manifests = SimManifests {
+        devices: Vec::new(),
+        secrets: Vec::new(),
+    };
+    for line in String::from_utf8(out.stdout)?.lines() {
+        if !line.starts_with('{') {
+            continue;
+        }
+        let document: serde_json::Value = serde_json::from_str(line)?;
+        match document["kind"].as_str() {
+            Some("Device") => manifests.devices.push(serde_json::from_value(document)?),
+            Some("Secret") => manifests.secrets.push(serde_json::from_value(document)?),
+            other => bail!("edgefleet-sim devices printed a {other:?}"),
+        }
+    }
+    Ok(manifests)
+}
+
+/// Creates `namespace` if needed and applies the Devices and key Secrets
+/// `edgefleet-sim devices` prints with `flags` (which name that namespace,
+/// the fleet and its nodes): server-side apply, 16 at a time. Returns how
+/// many Devices.
+pub async fn apply_sim_devices(
+    client: &Client,
+    namespace: &str,
+    flags: &[String],
+) -> anyhow::Result<usize> {
+    ensure_namespace(client, namespace).await?;
+    let SimManifests { devices, secrets } = sim_manifests(flags)?;
     let applied = devices.len();
-    futures::stream::iter(devices)
-        .map(|device| {
+    // Keys first, so a device's key is at its agent about when its Device is.
+    apply_all(&Api::namespaced(client.clone(), namespace), secrets).await?;
+    apply_all(&Api::namespaced(client.clone(), namespace), devices).await?;
+    Ok(applied)
+}
+
+/// Applies every object (server-side, 16 at a time).
+async fn apply_all<K>(api: &Api<K>, objects: Vec<K>) -> anyhow::Result<()>
+where
+    K: kube::Resource + Clone + serde::Serialize + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let params = PatchParams::apply(FIELD_MANAGER).force();
+    futures::stream::iter(objects)
+        .map(|object| {
             let (api, params) = (api.clone(), params.clone());
             async move {
-                let name = device.metadata.name.clone().unwrap_or_default();
-                api.patch(&name, &params, &Patch::Apply(&device))
+                let name = object.meta().name.clone().unwrap_or_default();
+                api.patch(&name, &params, &Patch::Apply(&object))
                     .await
-                    .with_context(|| format!("apply Device {name}"))
+                    .with_context(|| format!("apply {name}"))
             }
         })
         .buffer_unordered(16)
         .try_for_each(|_| async { Ok(()) })
-        .await?;
-    Ok(applied)
+        .await
 }
 
 /// Creates `namespace` unless it exists.

@@ -13,9 +13,10 @@ use edgefleet_shared::codec::{self, DesiredState, DeviceReport};
 use edgefleet_shared::{PropertyValue, ResourceKey, topics};
 use edgefleet_tests::agent_tokens::{self, AgentPod};
 use edgefleet_tests::certs;
-use edgefleet_tests::device_client::{CoapDevice, code, next_on};
+use edgefleet_tests::device_client::{CoapDevice, code, give_key, mqtt_device, next_on};
 use edgefleet_tests::mosquitto::Mosquitto;
-use edgefleet_tests::process::{Process, binary, free_tcp_addr, free_udp_addr, http_get, metric};
+use edgefleet_tests::process::{Process, free_tcp_addr, free_udp_addr, http_get, metric};
+use edgefleet_tests::stack::sim_manifests;
 use edgefleet_tests::{control_plane, eventually, test_namespace};
 use kube::Api;
 use kube::api::PostParams;
@@ -134,6 +135,7 @@ impl Site {
             .create(&PostParams::default(), &Device::new(name, spec))
             .await
             .unwrap();
+        give_key(&self.client, &ResourceKey::device(&self.ns, name)).await;
     }
 
     async fn wait_for_phase(
@@ -149,13 +151,11 @@ impl Site {
         .await
     }
 
-    /// An MQTT client playing a device, subscribed to its desired topic.
+    /// An MQTT client playing a device, logged in with its key and
+    /// subscribed to its desired topic.
     async fn mqtt_device(&self, name: &str) -> (rumqttc::AsyncClient, rumqttc::EventLoop, String) {
         let key = ResourceKey::device(&self.ns, name);
-        let addr = self.broker.addr();
-        let options =
-            rumqttc::MqttOptions::new(format!("sim-{name}"), addr.ip().to_string(), addr.port());
-        let (client, events) = rumqttc::AsyncClient::new(options, 64);
+        let (client, events) = mqtt_device(self.broker.addr(), &key).await;
         let topic = topics::desired(&self.node, &key);
         client
             .subscribe(&topic, rumqttc::QoS::AtLeastOnce)
@@ -405,32 +405,29 @@ async fn simulated_devices_apply_their_desired_state_and_report_it_back() {
         "--devices=6".into(),
         "--mqtt-every=3".into(),
     ];
-    let listing = std::process::Command::new(binary("edgefleet-sim"))
-        .arg("devices")
-        .args(&fleet)
-        .arg(format!("--node={}", site.node))
-        .output()
-        .unwrap();
-    assert!(
-        listing.status.success(),
-        "{}",
-        String::from_utf8_lossy(&listing.stderr)
-    );
-    let manifests: Vec<Device> = String::from_utf8(listing.stdout)
-        .unwrap()
-        .lines()
-        .filter(|l| l.starts_with('{'))
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    assert_eq!(manifests.len(), 6);
+    let mut listing = fleet.to_vec();
+    listing.push(format!("--node={}", site.node));
+    let manifests = sim_manifests(&listing).unwrap();
+    assert_eq!(manifests.devices.len(), 6);
     assert_eq!(
         manifests
+            .devices
             .iter()
             .filter(|d| d.spec.transport == Transport::Mqtt)
             .count(),
         2
     );
-    for device in &manifests {
+    // Each with its key, which the simulator logs in with.
+    assert_eq!(manifests.secrets.len(), 6);
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> =
+        Api::namespaced(site.client.clone(), &site.ns);
+    for secret in &manifests.secrets {
+        secrets
+            .create(&PostParams::default(), secret)
+            .await
+            .unwrap();
+    }
+    for device in &manifests.devices {
         devices
             .create(&PostParams::default(), device)
             .await
@@ -486,6 +483,15 @@ async fn simulated_devices_apply_their_desired_state_and_report_it_back() {
         },
     )
     .await;
+    // Every simulated device came in through the guard with its own key
+    // (the agent's default). (A login may also have been refused: a device
+    // that connected before its key reached the agent tries again.)
+    let (_, metrics) = http_get(site.agent_metrics, "/metrics").await.unwrap();
+    let accepted = metric(
+        &metrics,
+        "edgefleet_agent_mqtt_guard_logins_total{outcome=\"accepted\"}",
+    );
+    assert!(accepted >= 6.0, "{accepted} logins accepted");
     let log = std::fs::read_to_string(&applied_log).unwrap();
     assert!(
         log.lines()

@@ -13,8 +13,9 @@
 
 use std::time::{Duration, Instant};
 
-use edgefleet_shared::PropertyValue;
 use edgefleet_shared::api::{Device, EdgeRule};
+use edgefleet_shared::{PropertyValue, ResourceKey};
+use edgefleet_tests::device_client::mqtt_device;
 use edgefleet_tests::process::{http_get, metric};
 use edgefleet_tests::rule_site::{Site, overheat_rule};
 use edgefleet_tests::stack::{Stack, StackSpec};
@@ -308,15 +309,11 @@ async fn a_rule_acts_at_the_edge_online_and_cut_off_and_each_decision_goes_up_on
 
     // Killed with -9 while the override is in force: it comes back with it.
     site.stack.kill_and_restart_agent(0, 1).await.unwrap();
-    let (mqtt, events) = {
-        let agent = &site.stack.agents[0];
-        let options = rumqttc::MqttOptions::new(
-            "test-inlet-2",
-            agent.mqtt.ip().to_string(),
-            agent.mqtt.port(),
-        );
-        rumqttc::AsyncClient::new(options, 64)
-    };
+    let (mqtt, events) = mqtt_device(
+        site.stack.agents[0].mqtt,
+        &ResourceKey::device(&site.ns, "inlet"),
+    )
+    .await;
     mqtt.subscribe(&site.valve_topic, rumqttc::QoS::AtLeastOnce)
         .await
         .unwrap();

@@ -70,7 +70,7 @@ fn text(psk: &Psk) -> String {
 
 /// Starts an embedded rumqttd broker listening on `listen` (MQTT 3.1.1), in
 /// threads of its own. With `secrets`, it takes only the agent and the
-/// guard's connections; without, anyone (`--insecure-mqtt-anonymous`).
+/// guard's connections; without, anyone (`--insecure-mqtt-anonymous-devices`).
 pub fn start_embedded_broker(
     listen: SocketAddr,
     secrets: Option<BrokerSecrets>,
