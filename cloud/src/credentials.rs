@@ -22,8 +22,11 @@ use edgefleet_shared::proto::{self, resource};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Secret;
 use kube::runtime::{WatchStreamExt, watcher};
-use kube::{Api, ResourceExt};
+use kube::{Api, Resource, ResourceExt};
 
+use edgefleet_shared::telemetry::Outcomes;
+
+use crate::events::{Events, Note};
 use crate::index::{Index, Indexed};
 
 /// One Secret's claim on a Device.
@@ -32,6 +35,59 @@ struct Claim {
     device: ResourceKey,
     uid: String,
     psk: Result<Psk, String>,
+}
+
+/// What became of a device Secret.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Judgement {
+    /// Its key is its Device's credential.
+    Taken,
+    /// It has no [`DEVICE_LABEL`]: it is for no device.
+    Unlabelled,
+    /// Its key is not a valid key, for this reason.
+    Refused(String),
+    /// These other Secrets claim the same Device, which gets no key.
+    Ambiguous(Vec<String>),
+}
+
+impl Judgement {
+    /// The counter label.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Judgement::Taken => "taken",
+            Judgement::Unlabelled => "unlabelled",
+            Judgement::Refused(_) => "refused",
+            Judgement::Ambiguous(_) => "ambiguous",
+        }
+    }
+
+    /// The Event about the Secret, for all but a key taken.
+    fn note(&self) -> Option<Note> {
+        let (reason, text) = match self {
+            Judgement::Taken => return None,
+            Judgement::Unlabelled => (
+                "DeviceKeyUnlabelled",
+                format!("no label {DEVICE_LABEL}=<device>: this key is for no device"),
+            ),
+            Judgement::Refused(why) => (
+                "DeviceKeyRefused",
+                format!("the key is not used: {why}; the device gets no key"),
+            ),
+            Judgement::Ambiguous(others) => (
+                "DeviceKeyAmbiguous",
+                format!(
+                    "other key Secrets claim the same device ({}): it gets no key until only one does",
+                    others.join(", ")
+                ),
+            ),
+        };
+        Some(Note {
+            warning: true,
+            reason,
+            action: "Deliver",
+            text,
+        })
+    }
 }
 
 /// What is known of device Secrets and of Devices' nodes.
@@ -113,6 +169,22 @@ impl Join {
         }
     }
 
+    /// What became of Secret `namespace/name`, which was just applied.
+    pub fn judge(&self, namespace: &str, name: &str) -> Judgement {
+        let Some(claim) = self.secrets.get(&(namespace.to_owned(), name.to_owned())) else {
+            return Judgement::Unlabelled;
+        };
+        if let Err(reason) = &claim.psk {
+            return Judgement::Refused(reason.clone());
+        }
+        match self.claims.get(&claim.device) {
+            Some(names) if names.len() > 1 => {
+                Judgement::Ambiguous(names.iter().filter(|n| *n != name).cloned().collect())
+            }
+            _ => Judgement::Taken,
+        }
+    }
+
     /// Every Device a Secret claims or a node holds.
     fn known(&self) -> BTreeSet<ResourceKey> {
         self.claims
@@ -153,6 +225,9 @@ impl Join {
 pub struct Credentials {
     join: Mutex<Join>,
     index: Arc<Index>,
+    // Where a Secret that gives no key is told of (not in unit tests).
+    events: Option<Events>,
+    judged: Outcomes,
 }
 
 impl Credentials {
@@ -161,6 +236,26 @@ impl Credentials {
         Credentials {
             join: Mutex::new(Join::default()),
             index,
+            events: None,
+            judged: Outcomes::default(),
+        }
+    }
+
+    /// Also publishes an Event about each Secret that gives no key, and
+    /// counts every Secret taken in by its [`Judgement`] in `judged`.
+    pub fn with_events(mut self, events: Events, judged: Outcomes) -> Self {
+        self.events = Some(events);
+        self.judged = judged;
+        self
+    }
+
+    /// Counts and tells of what became of `secret`.
+    fn tell(&self, join: &Join, secret: &Secret) {
+        let namespace = secret.namespace().unwrap_or_default();
+        let judgement = join.judge(&namespace, &secret.name_any());
+        self.judged.inc(judgement.label());
+        if let (Some(events), Some(note)) = (&self.events, judgement.note()) {
+            events.publish(secret.object_ref(&()), note);
         }
     }
 
@@ -219,6 +314,9 @@ impl Credentials {
         for secret in secrets {
             join.secret_applied(secret);
         }
+        for secret in secrets {
+            self.tell(&join, secret);
+        }
         let all: BTreeSet<_> = before.union(&join.known()).cloned().collect();
         self.place(&join, all);
     }
@@ -226,6 +324,7 @@ impl Credentials {
     fn secret_applied(&self, secret: &Secret) {
         let mut join = self.join.lock().expect("credentials lock");
         let touched = join.secret_applied(secret);
+        self.tell(&join, secret);
         self.place(&join, touched);
     }
 
@@ -407,5 +506,30 @@ mod tests {
         assert_eq!(psk_on(&join, &t1), None, "two Secrets claim t1");
         join.secret_deleted("plant", "a");
         assert_eq!(psk_on(&join, &t1).unwrap().1, ROTATED);
+    }
+
+    #[test]
+    fn each_secret_is_judged_and_all_but_a_taken_key_say_why_in_an_event() {
+        let mut join = Join::default();
+        join.secret_applied(&secret("none", None, KEY, "s0"));
+        join.secret_applied(&secret("short", Some("t1"), b"short", "s1"));
+        join.secret_applied(&secret("a", Some("t2"), KEY, "s2"));
+        assert_eq!(join.judge("plant", "none"), Judgement::Unlabelled);
+        assert!(
+            matches!(join.judge("plant", "short"), Judgement::Refused(r) if r.contains("5 bytes"))
+        );
+        assert_eq!(join.judge("plant", "a"), Judgement::Taken);
+        assert_eq!(Judgement::Taken.note(), None);
+        join.secret_applied(&secret("b", Some("t2"), ROTATED, "s3"));
+        let judged = join.judge("plant", "b");
+        assert_eq!(judged, Judgement::Ambiguous(vec!["a".into()]));
+        let note = judged.note().unwrap();
+        assert_eq!((note.warning, note.reason), (true, "DeviceKeyAmbiguous"));
+        assert!(note.text.contains("same device (a)"), "{}", note.text);
+        // The key itself is never in an Event.
+        for name in ["none", "short", "b"] {
+            let text = join.judge("plant", name).note().unwrap().text;
+            assert!(!text.contains("0123456789"), "{text}");
+        }
     }
 }

@@ -180,6 +180,12 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     event_metrics.register(registry.sub_registry_with_prefix("events"));
     let device_event_metrics = edgefleet_cloud::device_events::DeviceEventMetrics::default();
     device_event_metrics.register(registry.sub_registry_with_prefix("device_events"));
+    let device_key_metrics = telemetry::Outcomes::default();
+    device_key_metrics.register(
+        &mut registry,
+        "device_keys",
+        "Device key Secrets taken in, by outcome (taken, refused, unlabelled, ambiguous)",
+    );
     let endpoints = tokio::spawn(telemetry::serve(
         metrics_listener,
         registry,
@@ -200,6 +206,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         event_metrics,
         device_events_per_second: args.device_events_per_second,
         device_event_metrics,
+        device_key_metrics,
         instance: args.instance,
         namespace: args.namespace,
         node_grace_period: std::time::Duration::from_secs(args.node_grace_seconds),

@@ -48,6 +48,9 @@ pub struct Settings {
     pub device_events_per_second: NonZeroU32,
     /// Counters of device events.
     pub device_event_metrics: DeviceEventMetrics,
+    /// Device key Secrets taken in, by what became of them (`taken`,
+    /// `refused`, `unlabelled`, `ambiguous`).
+    pub device_key_metrics: edgefleet_shared::telemetry::Outcomes,
     /// Who publishes Events (the pod or host name), shown in them.
     pub instance: Option<String>,
     /// Serve only the Devices of this namespace (all namespaces if `None`).
@@ -120,7 +123,10 @@ impl Controller {
         }));
 
         let (device_changed, device_changes) = tokio::sync::watch::channel(());
-        let credentials = Arc::new(crate::credentials::Credentials::new(Arc::clone(&index)));
+        let credentials = Arc::new(
+            crate::credentials::Credentials::new(Arc::clone(&index))
+                .with_events(events.clone(), settings.device_key_metrics.clone()),
+        );
         tasks.spawn(feed_index(
             devices_api.clone(),
             writer,

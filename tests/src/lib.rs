@@ -175,6 +175,7 @@ pub fn in_process_controller(
         event_metrics: Default::default(),
         device_events_per_second: std::num::NonZeroU32::new(50).expect("nonzero"),
         device_event_metrics: Default::default(),
+        device_key_metrics: Default::default(),
         instance: Some("test".into()),
         namespace: Some(ns.to_owned()),
         node_grace_period: Duration::from_secs(2),

@@ -1417,6 +1417,17 @@ async fn device_keys_reach_their_agent_and_rotation_and_revocation_follow_also_a
         "an invalid key and an Opaque Secret give none"
     );
     assert_eq!(store.credential_count(), 2);
+    // The operator is told why on the Secret, without the key.
+    eventually("the short key's Secret has a warning Event", || async {
+        event_reasons(&client, &ns, "t3-key")
+            .await
+            .iter()
+            .any(|(reason, note, _)| {
+                reason == "DeviceKeyRefused" && note.contains("5 bytes") && !note.contains("short")
+            })
+            .then_some(())
+    })
+    .await;
 
     // Rotation: the Secret's new key replaces the old one.
     let rotated = device_secret("t1-key", "t1", b"t1-rotated-rotated-rotated");
@@ -1497,6 +1508,17 @@ async fn device_keys_reach_their_agent_and_rotation_and_revocation_follow_also_a
     eventually("two Secrets claim t4: no key", || async {
         key_of(&t4).is_none().then_some(())
     })
+    .await;
+    eventually(
+        "the second claim has a warning Event naming the first",
+        || async {
+            event_reasons(&client, &ns, "t4-b")
+                .await
+                .iter()
+                .any(|(reason, note, _)| reason == "DeviceKeyAmbiguous" && note.contains("t4-a"))
+                .then_some(())
+        },
+    )
     .await;
     secrets
         .delete("t4-a", &DeleteParams::default())
