@@ -275,8 +275,10 @@ async fn partition(world: &World, fault: Mode, round: usize, delete: &str, creat
     .await;
     assert_eq!(
         world.cloud_metric(sent_metric).await - sent_before,
-        (changed.len() + 1) as f64,
-        "the resync sent only the changed Devices and the new one"
+        // The new Device's key Secret was applied with the fleet, so its
+        // key arrives with it.
+        (changed.len() + 2) as f64,
+        "the resync sent only the changed Devices, the new one and its key"
     );
     assert_eq!(
         world.cloud_metric("edgefleet_cloud_sync_streams").await,
