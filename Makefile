@@ -4,7 +4,7 @@ CARGO ?= cargo
 
 CERTS_DIR ?= .certs
 
-.PHONY: test lint crds certs controlplane image up bench bench-resync bench-ingest bench-rollout bench-rules bench-auth
+.PHONY: test lint fuzz crds certs controlplane image up bench bench-resync bench-ingest bench-rollout bench-rules bench-auth
 
 ## Build (or reuse) the local control plane, then run every test.
 test: controlplane
@@ -14,6 +14,21 @@ test: controlplane
 lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
+
+## Fuzz every decoder the agent exposes to a site's network (CoAP datagrams,
+## device CBOR, MQTT packets and topics) for FUZZ_SECONDS each, from the
+## seeds in tests/fuzz/seeds (libFuzzer through cargo-fuzz; nightly).
+FUZZ_SECONDS ?= 60
+FUZZ_TARGETS := coap_request device_cbor mqtt_packets
+# Kept between runs on this machine: the nightly build of the agent's crates.
+FUZZ_TARGET_DIR ?= $(HOME)/.cache/edgefleet/fuzz-target
+fuzz:
+	command -v cargo-fuzz >/dev/null || $(CARGO) install --locked cargo-fuzz
+	for t in $(FUZZ_TARGETS); do \
+		mkdir -p target/fuzz-corpus/$$t && \
+		cargo +nightly fuzz run --fuzz-dir tests/fuzz --target-dir $(FUZZ_TARGET_DIR) $$t target/fuzz-corpus/$$t tests/fuzz/seeds/$$t \
+			-- -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 || exit 1; \
+	done
 
 ## Regenerate deploy/crds/ from the Rust types.
 crds:

@@ -487,9 +487,10 @@ async fn retransmit(shared: Arc<Shared>) {
     }
 }
 
-/// Handles one request; returns the outcome label and the response.
-async fn handle(request: &Packet, peer: SocketAddr, shared: &Shared) -> (&'static str, Packet) {
-    let path = request
+/// A request's Uri-Path segments (not UTF-8 is replaced, and then matches
+/// no route).
+pub fn path_of(request: &Packet) -> Vec<String> {
+    request
         .get_option(CoapOption::UriPath)
         .map(|segments| {
             segments
@@ -497,7 +498,12 @@ async fn handle(request: &Packet, peer: SocketAddr, shared: &Shared) -> (&'stati
                 .map(|s| String::from_utf8_lossy(s).into_owned())
                 .collect::<Vec<_>>()
         })
-        .unwrap_or_default();
+        .unwrap_or_default()
+}
+
+/// Handles one request; returns the outcome label and the response.
+async fn handle(request: &Packet, peer: SocketAddr, shared: &Shared) -> (&'static str, Packet) {
+    let path = path_of(request);
     let route = route(&path);
     let method = match request.header.code {
         MessageClass::Request(method) => method,

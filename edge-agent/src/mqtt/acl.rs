@@ -38,6 +38,9 @@ pub enum Refusal {
     /// A topic filter the device may not subscribe to.
     #[error("subscribing to {0:?} is not allowed")]
     SubscribeNotAllowed(String),
+    /// A CONNECT on a connection already logged in.
+    #[error("a second CONNECT")]
+    SecondConnect,
 }
 
 impl Refusal {
@@ -51,6 +54,7 @@ impl Refusal {
             Refusal::PublishNotAllowed(_) => "publish_not_allowed",
             Refusal::Retained => "retained",
             Refusal::SubscribeNotAllowed(_) => "subscribe_not_allowed",
+            Refusal::SecondConnect => "second_connect",
         }
     }
 

@@ -115,6 +115,36 @@ enum Ended {
     BrokerRefused,
 }
 
+/// Takes the first whole packet off `buf`: its bytes and the packet;
+/// `None` while `buf` holds less than one packet. Pure, so it can be fuzzed.
+pub fn split_packet(
+    buf: &mut BytesMut,
+) -> Result<Option<(bytes::Bytes, v4::Packet)>, mqttbytes::Error> {
+    match mqttbytes::check(buf.iter(), MAX_PACKET) {
+        Ok(header) => {
+            let raw = buf.split_to(header.frame_length()).freeze();
+            let packet = v4::Packet::read(&mut BytesMut::from(&raw[..]), MAX_PACKET)?;
+            Ok(Some((raw, packet)))
+        }
+        Err(mqttbytes::Error::InsufficientBytes(_)) => Ok(None),
+        Err(error) => Err(error),
+    }
+}
+
+/// Whether a logged-in device may send `packet` on to the broker. A second
+/// CONNECT is refused as `second_connect`.
+pub fn may_forward(identity: &Identity, packet: &v4::Packet) -> Result<(), Refusal> {
+    match packet {
+        v4::Packet::Publish(p) => acl::publish(identity, &p.topic, p.retain),
+        v4::Packet::Subscribe(s) => s
+            .filters
+            .iter()
+            .try_for_each(|filter| acl::subscribe(identity, &filter.path)),
+        v4::Packet::Connect(_) => Err(Refusal::SecondConnect),
+        _ => Ok(()),
+    }
+}
+
 /// Reads the next whole packet of `stream` into `buf`, and returns its
 /// bytes and the packet; `None` at the end of the stream.
 async fn next_packet(
@@ -122,15 +152,8 @@ async fn next_packet(
     buf: &mut BytesMut,
 ) -> Result<Option<(bytes::Bytes, v4::Packet)>, Ended> {
     loop {
-        match mqttbytes::check(buf.iter(), MAX_PACKET) {
-            Ok(header) => {
-                let raw = buf.split_to(header.frame_length()).freeze();
-                let packet = v4::Packet::read(&mut BytesMut::from(&raw[..]), MAX_PACKET)
-                    .map_err(Ended::Malformed)?;
-                return Ok(Some((raw, packet)));
-            }
-            Err(mqttbytes::Error::InsufficientBytes(_)) => {}
-            Err(error) => return Err(Ended::Malformed(error)),
+        if let Some(packet) = split_packet(buf).map_err(Ended::Malformed)? {
+            return Ok(Some(packet));
         }
         if stream.read_buf(buf).await? == 0 {
             return Ok(None);
@@ -233,17 +256,10 @@ async fn upstream(
     mut buf: BytesMut,
 ) -> Result<(), Ended> {
     while let Some((raw, packet)) = next_packet(from_device, &mut buf).await? {
-        match &packet {
-            v4::Packet::Publish(p) => {
-                acl::publish(identity, &p.topic, p.retain).map_err(Ended::Refused)?
-            }
-            v4::Packet::Subscribe(s) => {
-                for filter in &s.filters {
-                    acl::subscribe(identity, &filter.path).map_err(Ended::Refused)?;
-                }
-            }
-            v4::Packet::Connect(_) => return Err(Ended::SecondConnect),
-            _ => {}
+        match may_forward(identity, &packet) {
+            Ok(()) => {}
+            Err(Refusal::SecondConnect) => return Err(Ended::SecondConnect),
+            Err(refusal) => return Err(Ended::Refused(refusal)),
         }
         to_broker.write_all(&raw).await?;
     }
