@@ -1508,63 +1508,48 @@ async fn a_key_watch_is_told_of_its_own_devices_key_changes_only() {
     use edgefleet_shared::credential::{self, Psk};
     let tmp = tempfile::tempdir().unwrap();
     let store = open(&tmp.path().join("store"));
-    let held = |psk: &str| {
-        let psk = Psk::new(psk.as_bytes().to_vec()).unwrap();
-        Desired::Credential(HeldCredential {
-            version: credential::version("secret-uid", &psk),
-            psk,
-        })
-    };
     let (t1, t2) = (
         ResourceKey::device("plant", "t1"),
         ResourceKey::device("plant", "t2"),
     );
+    // Gives `device` the key `psk`, or takes its key away.
+    let key = |device: &ResourceKey, psk: Option<&str>| {
+        let key = credential::key_of(device);
+        let store = store.clone();
+        let psk = psk.map(|p| Psk::new(p.as_bytes().to_vec()).unwrap());
+        async move {
+            match psk {
+                Some(psk) => {
+                    let held = Desired::Credential(HeldCredential {
+                        version: credential::version("secret-uid", &psk),
+                        psk,
+                    });
+                    store.apply(&[(key, held)], &[]).await.unwrap();
+                }
+                None => store.apply::<Desired>(&[], &[key]).await.unwrap(),
+            }
+        }
+    };
     let mut watch = store.credential_watch(&t1);
-    let changed = |watch: &tokio::sync::watch::Receiver<()>| watch.has_changed().unwrap();
 
     // Another device's key arrives, rotates and goes: t1's watch is quiet.
-    store
-        .apply(
-            &[(credential::key_of(&t2), held("t2-0123456789abcdef"))],
-            &[],
-        )
-        .await
-        .unwrap();
-    store
-        .apply(
-            &[(credential::key_of(&t2), held("t2-rotated-0123456"))],
-            &[],
-        )
-        .await
-        .unwrap();
-    store
-        .apply::<Desired>(&[], &[credential::key_of(&t2)])
-        .await
-        .unwrap();
-    assert!(!changed(&watch));
+    for psk in [
+        Some("t2-0123456789abcdef"),
+        Some("t2-rotated-0123456"),
+        None,
+    ] {
+        key(&t2, psk).await;
+    }
+    assert!(!watch.has_changed().unwrap());
 
     // Its own key arriving, rotating and going each tell it.
-    store
-        .apply(
-            &[(credential::key_of(&t1), held("t1-0123456789abcdef"))],
-            &[],
-        )
-        .await
-        .unwrap();
-    assert!(changed(&watch));
-    watch.mark_unchanged();
-    store
-        .apply(
-            &[(credential::key_of(&t1), held("t1-rotated-0123456"))],
-            &[],
-        )
-        .await
-        .unwrap();
-    assert!(changed(&watch));
-    watch.mark_unchanged();
-    store
-        .apply::<Desired>(&[], &[credential::key_of(&t1)])
-        .await
-        .unwrap();
-    assert!(changed(&watch));
+    for psk in [
+        Some("t1-0123456789abcdef"),
+        Some("t1-rotated-0123456"),
+        None,
+    ] {
+        key(&t1, psk).await;
+        assert!(watch.has_changed().unwrap(), "{psk:?}");
+        watch.mark_unchanged();
+    }
 }
