@@ -1,4 +1,5 @@
-//! A CoAP client many simulated devices share: one UDP socket per agent.
+//! A CoAP client: one UDP socket to an agent, plain or with one device's
+//! DTLS session ([`crate::dtls`]).
 //!
 //! Every request is confirmable. One receive task reads every datagram from
 //! the agent and hands each answer to the request waiting for it, found by
@@ -13,13 +14,16 @@ use std::collections::HashMap;
 use std::io;
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use coap_lite::{CoapOption, ContentFormat, MessageClass, MessageType, Packet, RequestType};
+use edgefleet_shared::ResourceKey;
+use edgefleet_shared::credential;
 use tokio::net::UdpSocket;
 use tokio::sync::oneshot;
 use tokio::task::AbortHandle;
 
+use crate::dtls::DtlsLink;
 use crate::retransmit::{OnTimeout, Retransmission};
 
 /// The token of every request: 4 bytes, unique per client until it wraps.
@@ -199,38 +203,97 @@ impl Drop for PendingGuard<'_> {
     }
 }
 
-/// A CoAP client for one agent: one connected UDP socket and its receive
-/// task, shared by every device that reports to that agent.
+/// How a client's messages travel.
+#[derive(Debug)]
+pub enum Link {
+    /// Plain CoAP on a connected UDP socket (for agents started with
+    /// `--insecure-coap-plain`).
+    Plain(UdpSocket),
+    /// CoAP over DTLS with the device's key.
+    Dtls(DtlsLink),
+}
+
+impl Link {
+    /// Sends one CoAP message.
+    pub async fn send(&self, message: &[u8]) -> io::Result<()> {
+        match self {
+            Link::Plain(socket) => socket.send(message).await.map(drop),
+            Link::Dtls(link) => link.send(message).await,
+        }
+    }
+
+    /// The next CoAP message from the agent.
+    pub async fn recv(&self, buf: &mut [u8]) -> io::Result<Vec<u8>> {
+        match self {
+            Link::Plain(socket) => socket.recv(buf).await.map(|len| buf[..len].to_vec()),
+            Link::Dtls(link) => link.recv().await,
+        }
+    }
+}
+
+/// A UDP socket on an ephemeral port, connected to `agent`.
+pub async fn connected_socket(agent: SocketAddr) -> io::Result<UdpSocket> {
+    let local: SocketAddr = match agent {
+        SocketAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, 0).into(),
+        SocketAddr::V6(_) => (Ipv6Addr::UNSPECIFIED, 0).into(),
+    };
+    let socket = UdpSocket::bind(local).await?;
+    socket.connect(agent).await?;
+    Ok(socket)
+}
+
+/// A CoAP client for one agent: its link (a connected UDP socket, plain or
+/// with a device's DTLS session) and its receive task.
 #[derive(Debug)]
 pub struct CoapClient {
-    socket: Arc<UdpSocket>,
+    link: Arc<Link>,
     pending: Arc<Mutex<Pending>>,
     receiver: AbortHandle,
 }
 
 impl CoapClient {
     /// Binds an ephemeral port, connects it to `agent` and starts the receive
-    /// task. Message ids count up from `first_id`, tokens from `first_token`.
+    /// task, for plain CoAP. Message ids count up from `first_id`, tokens
+    /// from `first_token`.
     pub async fn connect(agent: SocketAddr, first_id: u16, first_token: u32) -> io::Result<Self> {
-        let local: SocketAddr = match agent {
-            SocketAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, 0).into(),
-            SocketAddr::V6(_) => (Ipv6Addr::UNSPECIFIED, 0).into(),
-        };
-        let socket = UdpSocket::bind(local).await?;
-        socket.connect(agent).await?;
-        let socket = Arc::new(socket);
-        let pending = Arc::new(Mutex::new(Pending::new(first_id, first_token)));
-        let receiver = tokio::spawn(receive(Arc::clone(&socket), Arc::clone(&pending)));
-        Ok(CoapClient {
-            socket,
-            pending,
-            receiver: receiver.abort_handle(),
-        })
+        let socket = connected_socket(agent).await?;
+        Ok(Self::over(Link::Plain(socket), first_id, first_token))
     }
 
-    /// The local address of the socket.
-    pub fn local_addr(&self) -> io::Result<SocketAddr> {
-        self.socket.local_addr()
+    /// As [`CoapClient::connect`], over DTLS as `device` with `key`.
+    pub async fn connect_dtls(
+        agent: SocketAddr,
+        device: &ResourceKey,
+        key: &[u8],
+        first_id: u16,
+        first_token: u32,
+    ) -> io::Result<Self> {
+        let socket = connected_socket(agent).await?;
+        Ok(Self::dtls(socket, device, key, first_id, first_token))
+    }
+
+    /// As [`CoapClient::connect_dtls`], on `socket` (connected to the
+    /// agent).
+    pub fn dtls(
+        socket: UdpSocket,
+        device: &ResourceKey,
+        key: &[u8],
+        first_id: u16,
+        first_token: u32,
+    ) -> Self {
+        let link = DtlsLink::start(socket, &credential::login_name(device), key);
+        Self::over(Link::Dtls(link), first_id, first_token)
+    }
+
+    fn over(link: Link, first_id: u16, first_token: u32) -> Self {
+        let link = Arc::new(link);
+        let pending = Arc::new(Mutex::new(Pending::new(first_id, first_token)));
+        let receiver = tokio::spawn(receive(Arc::clone(&link), Arc::clone(&pending)));
+        CoapClient {
+            link,
+            pending,
+            receiver: receiver.abort_handle(),
+        }
     }
 
     /// Sends `request` as a confirmable message, retransmitting it on the
@@ -254,8 +317,9 @@ impl CoapClient {
             Err(e) => return done(&retransmission, Err(ExchangeError::Encode(e.to_string()))),
         };
         let mut wait = retransmission.timeout();
+        let began = Instant::now();
         loop {
-            if let Err(e) = self.socket.send(&bytes).await {
+            if let Err(e) = self.link.send(&bytes).await {
                 // Typically an ICMP error from an earlier datagram (the agent
                 // is not listening yet); the retransmission schedule covers it.
                 tracing::debug!(error = %e, message_id = id, "CoAP send failed");
@@ -265,7 +329,14 @@ impl CoapClient {
                 Ok(Ok(Answer::Reset)) => return done(&retransmission, Err(ExchangeError::Reset)),
                 Ok(Err(_)) => return done(&retransmission, Err(ExchangeError::Closed)),
                 Err(_) => match retransmission.on_timeout() {
-                    OnTimeout::Retransmit(next) => wait = next,
+                    OnTimeout::Retransmit(next) => {
+                        // Silence: the agent may have lost the session (it
+                        // restarted).
+                        if let Link::Dtls(link) = self.link.as_ref() {
+                            link.renew(began).await;
+                        }
+                        wait = next;
+                    }
                     OnTimeout::GiveUp => {
                         let err = ExchangeError::Timeout(retransmission.retransmissions());
                         return done(&retransmission, Err(err));
@@ -283,12 +354,13 @@ impl Drop for CoapClient {
 }
 
 /// Reads every datagram from the agent and hands answers to their requests.
-async fn receive(socket: Arc<UdpSocket>, pending: Arc<Mutex<Pending>>) {
+async fn receive(link: Arc<Link>, pending: Arc<Mutex<Pending>>) {
     // Big enough for any datagram, so nothing is silently cut.
     let mut buf = vec![0u8; 65_536];
     loop {
-        let len = match socket.recv(&mut buf).await {
-            Ok(len) => len,
+        let message = match link.recv(&mut buf).await {
+            Ok(message) => message,
+            Err(e) if e.kind() == io::ErrorKind::BrokenPipe => return,
             Err(e) => {
                 // A connected UDP socket reports ICMP errors here (nothing
                 // listens at the agent's address yet); keep receiving.
@@ -299,8 +371,8 @@ async fn receive(socket: Arc<UdpSocket>, pending: Arc<Mutex<Pending>>) {
                 continue;
             }
         };
-        let Ok(packet) = Packet::from_bytes(&buf[..len]) else {
-            tracing::debug!(len, "ignoring a datagram that is not CoAP");
+        let Ok(packet) = Packet::from_bytes(&message) else {
+            tracing::debug!(len = message.len(), "ignoring a datagram that is not CoAP");
             continue;
         };
         let id = packet.header.message_id;
@@ -329,7 +401,7 @@ async fn receive(socket: Arc<UdpSocket>, pending: Arc<Mutex<Pending>>) {
                 reset.header.code = MessageClass::Empty;
                 reset.header.message_id = id;
                 if let Ok(bytes) = reset.to_bytes() {
-                    let _ = socket.send(&bytes).await;
+                    let _ = link.send(&bytes).await;
                 }
             }
             (kind, code) => {

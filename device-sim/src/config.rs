@@ -20,6 +20,10 @@ pub struct RunConfig {
     /// Each device's key (its MQTT password) is derived from this; see
     /// [`crate::keys`].
     pub fleet_key: crate::keys::FleetKey,
+    /// Plain CoAP, one socket per node, for agents started with
+    /// `--insecure-coap-plain`; otherwise each CoAP device has its own
+    /// socket and DTLS session, with its key.
+    pub insecure_coap_plain: bool,
     /// Seeds every device's randomness.
     pub seed: u64,
     /// How often each device reports when nothing happens.

@@ -22,6 +22,7 @@ pub mod applied_log;
 pub mod coap;
 pub mod config;
 pub mod device;
+pub mod dtls;
 pub mod events;
 pub mod firmware;
 pub mod fleet;

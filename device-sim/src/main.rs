@@ -161,6 +161,10 @@ struct RunArgs {
         value_delimiter = ','
     )]
     bad_firmware: Vec<String>,
+    /// Talk plain CoAP to agents started with `--insecure-coap-plain`
+    /// (labs). Without it, each CoAP device uses CoAP over DTLS with its key.
+    #[arg(long, env = "EDGEFLEET_SIM_INSECURE_COAP_PLAIN")]
+    insecure_coap_plain: bool,
     /// CoAP ACK_TIMEOUT: the shortest wait before a retransmission.
     #[arg(long, env = "EDGEFLEET_SIM_COAP_ACK_TIMEOUT", default_value = "2s", value_parser = parse_duration)]
     coap_ack_timeout: Duration,
@@ -201,6 +205,7 @@ async fn simulate(args: RunArgs) -> anyhow::Result<()> {
         fleet: args.fleet.spec(nodes),
         namespace: args.fleet.namespace.clone(),
         fleet_key: keys::FleetKey(args.fleet.fleet_key.clone()),
+        insecure_coap_plain: args.insecure_coap_plain,
         endpoints: args.nodes,
         seed: args.fleet.seed,
         report_interval: args.report_interval,

@@ -203,8 +203,9 @@ struct NodeContext<'a> {
 }
 
 impl NodeContext<'_> {
-    /// Opens the node's CoAP client and spawns its devices, each with its
-    /// own MQTT session.
+    /// Opens the node's CoAP sockets and spawns its devices, each with its
+    /// own MQTT session: with DTLS a socket and session per CoAP device,
+    /// otherwise one plain socket for all.
     async fn spawn(
         &self,
         slots: &[&DeviceSlot],
@@ -218,13 +219,34 @@ impl NodeContext<'_> {
             .with_context(|| format!("cannot resolve {} (CoAP of {node})", self.endpoint.coap))?;
         // Random first message id and token, so a restarted simulator does
         // not repeat ids the agent still remembers.
-        let coap = Arc::new(
-            CoapClient::connect(agent, rand::random(), rand::random())
-                .await
-                .with_context(|| format!("opening a UDP socket to {agent}"))?,
-        );
+        let shared = match self.config.insecure_coap_plain {
+            true => Some(Arc::new(
+                CoapClient::connect(agent, rand::random(), rand::random())
+                    .await
+                    .with_context(|| format!("opening a UDP socket to {agent}"))?,
+            )),
+            false => None,
+        };
         for slot in slots {
-            self.spawn_device(slot, &coap, tasks);
+            let coap = match (&shared, slot.transport) {
+                (Some(shared), _) => Some(Arc::clone(shared)),
+                (None, Transport::Coap) => {
+                    let key = ResourceKey::device(&self.config.namespace, &slot.name);
+                    let psk = keys::device_key(&self.config.fleet_key, &key);
+                    let client = CoapClient::connect_dtls(
+                        agent,
+                        &key,
+                        psk.as_bytes(),
+                        rand::random(),
+                        rand::random(),
+                    )
+                    .await
+                    .with_context(|| format!("opening a UDP socket to {agent}"))?;
+                    Some(Arc::new(client))
+                }
+                (None, Transport::Mqtt) => None,
+            };
+            self.spawn_device(slot, coap, tasks);
         }
         Ok(())
     }
@@ -233,7 +255,7 @@ impl NodeContext<'_> {
     fn spawn_device(
         &self,
         slot: &DeviceSlot,
-        coap: &Arc<CoapClient>,
+        coap: Option<Arc<CoapClient>>,
         tasks: &mut JoinSet<Option<FinalState>>,
     ) {
         let node = &self.endpoint.name;
@@ -252,14 +274,15 @@ impl NodeContext<'_> {
         if slot.transport == Transport::Mqtt {
             routes.insert(topics::event_ack(node, &key), Route::EventAck(acks_tx));
         }
-        let reporter = match slot.transport {
-            Transport::Coap => Reporter::Coap {
-                client: Arc::clone(coap),
+        let reporter = match (slot.transport, coap) {
+            (Transport::Coap, Some(client)) => Reporter::Coap {
+                client,
                 namespace: key.namespace.clone(),
                 name: key.name.clone(),
                 params: self.config.retransmit,
             },
-            Transport::Mqtt => Reporter::Mqtt {
+            (Transport::Coap, None) => unreachable!("spawn opens a CoAP client per CoAP device"),
+            (Transport::Mqtt, _) => Reporter::Mqtt {
                 client: mqtt.clone(),
                 topic: topics::report(node, &key),
                 event_topic: topics::event(node, &key),

@@ -203,6 +203,7 @@ fn config(
         },
         namespace: NAMESPACE.into(),
         fleet_key: FleetKey("test".into()),
+        insecure_coap_plain: true,
         endpoints: vec![NodeEndpoint {
             name: NODE.into(),
             coap: coap.to_string(),

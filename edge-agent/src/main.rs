@@ -9,8 +9,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
+use edgefleet_agent::coap::dtls::{COAPS_PORT, DtlsSettings};
 use edgefleet_agent::coap::observe::ObserveSettings;
-use edgefleet_agent::coap::{self, CoapMetrics};
+use edgefleet_agent::coap::{self, CoapMetrics, Security};
 use edgefleet_agent::mqtt::{self, BrokerAddress, MqttMetrics};
 use edgefleet_agent::store::Store;
 use edgefleet_agent::sync::{self, SyncSettings};
@@ -65,9 +66,25 @@ struct Cli {
     /// Where the agent keeps its store.
     #[arg(long, env = "EDGEFLEET_DATA_DIR", default_value = "/var/lib/edgefleet")]
     data_dir: PathBuf,
-    /// UDP address of the CoAP server for devices.
-    #[arg(long, env = "EDGEFLEET_COAP_BIND", default_value = "127.0.0.1:5683")]
-    coap_bind: SocketAddr,
+    /// UDP address of the CoAP server for devices: CoAP over DTLS (default
+    /// 127.0.0.1:5684), or plain CoAP with --insecure-coap-plain (default
+    /// 127.0.0.1:5683).
+    #[arg(long, env = "EDGEFLEET_COAP_BIND")]
+    coap_bind: Option<SocketAddr>,
+    /// Serve plain CoAP: anyone on the network may send reports and events
+    /// for any device of the node and read its desired state (labs only).
+    /// Without it, devices use CoAP over DTLS with their own key (PSK
+    /// identity `<namespace>:<name>`) and may act only for themselves.
+    #[arg(long, env = "EDGEFLEET_INSECURE_COAP_PLAIN")]
+    insecure_coap_plain: bool,
+    /// At most this many DTLS sessions; a new one beyond ends the least
+    /// recently heard.
+    #[arg(long, env = "EDGEFLEET_COAP_MAX_DTLS_SESSIONS", default_value_t = DtlsSettings::default().max_sessions)]
+    coap_max_dtls_sessions: usize,
+    /// At most this many DTLS handshakes at once; a ClientHello beyond is
+    /// dropped (the device retries).
+    #[arg(long, env = "EDGEFLEET_COAP_MAX_DTLS_HANDSHAKES", default_value_t = DtlsSettings::default().max_handshakes)]
+    coap_max_dtls_handshakes: usize,
     /// At most this many CoAP observers (RFC 7641) in all; beyond it a
     /// `GET` with Observe is answered without registering.
     #[arg(long, env = "EDGEFLEET_COAP_MAX_OBSERVERS", default_value_t = ObserveSettings::default().max_observers)]
@@ -252,13 +269,24 @@ async fn main() -> anyhow::Result<()> {
         }
     };
 
-    let coap_socket = tokio::net::UdpSocket::bind(cli.coap_bind)
+    let coap_bind = cli.coap_bind.unwrap_or_else(|| {
+        let port = if cli.insecure_coap_plain {
+            5683
+        } else {
+            COAPS_PORT
+        };
+        SocketAddr::from(([127, 0, 0, 1], port))
+    });
+    if cli.insecure_coap_plain {
+        tracing::warn!(coap = %coap_bind, "--insecure-coap-plain: anyone who can reach the CoAP port may report for, and read the desired state of, any device of this node");
+    }
+    let coap_socket = tokio::net::UdpSocket::bind(coap_bind)
         .await
-        .with_context(|| format!("bind CoAP on {}", cli.coap_bind))?;
+        .with_context(|| format!("bind CoAP on {coap_bind}"))?;
     let metrics_listener = tokio::net::TcpListener::bind(cli.metrics_addr)
         .await
         .with_context(|| format!("bind metrics on {}", cli.metrics_addr))?;
-    tracing::info!(node = %cli.node, coap = %cli.coap_bind, metrics = %cli.metrics_addr, cloud = %cli.cloud, "agent starting");
+    tracing::info!(node = %cli.node, coap = %coap_bind, dtls = !cli.insecure_coap_plain, metrics = %cli.metrics_addr, cloud = %cli.cloud, "agent starting");
 
     let readiness = Readiness::default();
     readiness.set(true);
@@ -363,6 +391,15 @@ async fn main() -> anyhow::Result<()> {
             ..ObserveSettings::default()
         },
         max_requests_in_flight: cli.coap_max_requests_in_flight.max(1),
+        security: if cli.insecure_coap_plain {
+            Security::InsecurePlain
+        } else {
+            Security::Dtls(DtlsSettings {
+                max_sessions: cli.coap_max_dtls_sessions.max(1),
+                max_handshakes: cli.coap_max_dtls_handshakes.max(1),
+                ..DtlsSettings::default()
+            })
+        },
     };
     tokio::select! {
         served = coap::serve_with(coap_socket, store.clone(), coap_metrics, coap_settings) => served.context("CoAP server")?,

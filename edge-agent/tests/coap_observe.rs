@@ -20,13 +20,10 @@ use tokio::net::UdpSocket;
 const QUIET: Duration = Duration::from_millis(300);
 
 mod common;
-use common::{Agent, key, thermostat};
+use common::{Agent, key, plain, thermostat};
 
 fn observing(observe: ObserveSettings) -> CoapSettings {
-    CoapSettings {
-        observe,
-        ..Default::default()
-    }
+    CoapSettings { observe, ..plain() }
 }
 
 impl Agent {
@@ -176,7 +173,7 @@ fn setpoint_of(packet: &Packet) -> (i64, PropertyValue) {
 
 #[tokio::test]
 async fn an_observer_is_notified_of_each_change_until_it_deregisters() {
-    let agent = Agent::start(CoapSettings::default(), &["t1", "t2"]).await;
+    let agent = Agent::start(plain(), &["t1", "t2"]).await;
     let mut device = Client::new(&agent, b"obs1").await;
 
     let registered = device.get("t1", Some(0)).await;
@@ -226,7 +223,7 @@ async fn an_observer_is_notified_of_each_change_until_it_deregisters() {
 
 #[tokio::test]
 async fn a_plain_get_with_the_observations_token_ends_it() {
-    let agent = Agent::start(CoapSettings::default(), &["t1"]).await;
+    let agent = Agent::start(plain(), &["t1"]).await;
     let mut device = Client::new(&agent, b"obs2").await;
     let mut other = Client::new(&agent, b"obs3").await;
     assert!(observe(&device.get("t1", Some(0)).await).is_some());
@@ -246,7 +243,7 @@ async fn a_plain_get_with_the_observations_token_ends_it() {
 
 #[tokio::test]
 async fn a_removed_device_ends_its_observations_with_4_04() {
-    let agent = Agent::start(CoapSettings::default(), &["t1"]).await;
+    let agent = Agent::start(plain(), &["t1"]).await;
     let mut device = Client::new(&agent, b"gone").await;
     assert!(observe(&device.get("t1", Some(0)).await).is_some());
 
@@ -266,7 +263,7 @@ async fn a_removed_device_ends_its_observations_with_4_04() {
 
 #[tokio::test]
 async fn an_unknown_device_is_refused_and_not_observed() {
-    let agent = Agent::start(CoapSettings::default(), &["t1"]).await;
+    let agent = Agent::start(plain(), &["t1"]).await;
     let mut device = Client::new(&agent, b"nope").await;
     let refused = device.get("t9", Some(0)).await;
     assert_eq!(code(&refused), ResponseType::NotFound);
@@ -280,7 +277,7 @@ async fn an_unknown_device_is_refused_and_not_observed() {
 
 #[tokio::test]
 async fn a_reset_of_a_notification_removes_the_observer() {
-    let agent = Agent::start(CoapSettings::default(), &["t1"]).await;
+    let agent = Agent::start(plain(), &["t1"]).await;
     let mut device = Client::new(&agent, b"rst").await;
     let mut stays = Client::new(&agent, b"stays").await;
     assert!(observe(&device.get("t1", Some(0)).await).is_some());

@@ -16,7 +16,7 @@ use edgefleet_shared::codec::{self, DeviceReport};
 use tokio::net::UdpSocket;
 
 mod common;
-use common::{Agent, key};
+use common::{Agent, key, plain};
 
 impl Agent {
     fn count(&self, outcome: &str) -> u64 {
@@ -75,7 +75,7 @@ fn code(bytes: &[u8]) -> MessageClass {
 
 #[tokio::test]
 async fn a_ping_is_answered_with_a_reset_and_so_is_a_confirmable_response() {
-    let agent = Agent::start(CoapSettings::default(), &["t1"]).await;
+    let agent = Agent::start(plain(), &["t1"]).await;
     let socket = client().await;
     // An empty confirmable message: version 1, CON, token length 0, 0.00.
     let answer = exchange(&socket, agent.addr, &[0x40, 0x00, 0x12, 0x34]).await;
@@ -95,7 +95,7 @@ async fn a_ping_is_answered_with_a_reset_and_so_is_a_confirmable_response() {
 
 #[tokio::test]
 async fn options_and_formats_the_agent_does_not_implement_are_refused_and_nothing_is_stored() {
-    let agent = Agent::start(CoapSettings::default(), &["t1"]).await;
+    let agent = Agent::start(plain(), &["t1"]).await;
     let socket = client().await;
     // A conditional report (If-Match, critical): 4.02.
     let mut p = report(1);
@@ -145,7 +145,7 @@ async fn options_and_formats_the_agent_does_not_implement_are_refused_and_nothin
 
 #[tokio::test]
 async fn a_refusal_is_no_larger_than_about_twice_its_request() {
-    let agent = Agent::start(CoapSettings::default(), &["t1"]).await;
+    let agent = Agent::start(plain(), &["t1"]).await;
     let socket = client().await;
     for (path, method) in [
         ("x", RequestType::Get),
@@ -176,7 +176,7 @@ async fn requests_beyond_the_bound_are_answered_5_03_with_max_age_and_succeed_la
     let agent = Agent::start(
         CoapSettings {
             max_requests_in_flight: 1,
-            ..Default::default()
+            ..plain()
         },
         &["t1"],
     )

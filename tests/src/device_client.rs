@@ -1,35 +1,38 @@
 //! Devices played by a test over the real protocols: a CoAP client on its
-//! own UDP socket, an MQTT login with the device's own key, and the next
+//! own UDP socket with its DTLS session, an MQTT login with the device's own key, and the next
 //! MQTT message on a topic.
 
 use std::net::SocketAddr;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use coap_lite::{CoapOption, MessageClass, MessageType, Packet, RequestType, ResponseType};
 use edgefleet_shared::ResourceKey;
 use edgefleet_shared::credential::{self, Psk};
+use edgefleet_sim::coap::connected_socket;
+use edgefleet_sim::dtls::DtlsLink;
 use edgefleet_sim::keys::{self, FleetKey};
 use edgefleet_sim::manifest;
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, PostParams};
-use tokio::net::UdpSocket;
 
 use crate::PATIENCE;
 
-/// A device's side of CoAP: one confirmable request, one response.
+/// A device's side of CoAP over DTLS with its [`test_key`]: one
+/// confirmable request, one response.
 #[derive(Debug)]
 pub struct CoapDevice {
-    socket: UdpSocket,
-    agent: SocketAddr,
+    link: DtlsLink,
     next_id: u16,
 }
 
 impl CoapDevice {
-    /// A device socket talking to the agent's CoAP server at `agent`.
-    pub async fn new(agent: SocketAddr) -> Self {
+    /// `device`, on a socket of its own, talking to the agent's CoAP server
+    /// at `agent`.
+    pub async fn new(agent: SocketAddr, device: &ResourceKey) -> Self {
+        let socket = connected_socket(agent).await.unwrap();
+        let key = test_key(device);
         CoapDevice {
-            socket: UdpSocket::bind("127.0.0.1:0").await.unwrap(),
-            agent,
+            link: DtlsLink::start(socket, &credential::login_name(device), key.as_bytes()),
             next_id: 1,
         }
     }
@@ -50,21 +53,22 @@ impl CoapDevice {
         packet
     }
 
-    /// Sends `packet` until the agent answers (as a device retransmits); the answer.
+    /// Sends `packet` until the agent answers (as a device retransmits,
+    /// handshaking again while its key is on its way); the answer.
     pub async fn exchange(&self, packet: &Packet) -> Packet {
         let bytes = packet.to_bytes().unwrap();
-        let mut buf = vec![0u8; 2048];
-        // Retransmit like a device would until the agent answers.
-        for _ in 0..20 {
-            self.socket.send_to(&bytes, self.agent).await.unwrap();
-            if let Ok(Ok((len, _))) =
-                tokio::time::timeout(Duration::from_millis(500), self.socket.recv_from(&mut buf))
-                    .await
-            {
-                let response = Packet::from_bytes(&buf[..len]).unwrap();
-                assert_eq!(response.header.message_id, packet.header.message_id);
-                return response;
+        let began = Instant::now();
+        for _ in 0..40 {
+            self.link.send(&bytes).await.unwrap();
+            let deadline = tokio::time::Instant::now() + Duration::from_millis(500);
+            while let Ok(Ok(answer)) = tokio::time::timeout_at(deadline, self.link.recv()).await {
+                let response = Packet::from_bytes(&answer).unwrap();
+                // An answer to an earlier retransmission is skipped.
+                if response.header.message_id == packet.header.message_id {
+                    return response;
+                }
             }
+            self.link.renew(began).await;
         }
         panic!("the agent never answered");
     }

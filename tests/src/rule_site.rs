@@ -110,7 +110,7 @@ impl Site {
         mqtt.subscribe(&valve_topic, rumqttc::QoS::AtLeastOnce)
             .await
             .unwrap();
-        let boiler = CoapDevice::new(agent.coap).await;
+        let boiler = CoapDevice::new(agent.coap, &ResourceKey::device(&ns, "boiler")).await;
         let mut site = Site {
             client,
             ns,

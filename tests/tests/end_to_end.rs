@@ -180,7 +180,7 @@ async fn a_device_report_over_coap_reaches_device_status_and_bad_input_is_refuse
     assert_eq!(retained.generation, 1);
 
     // The device reads its desired state over CoAP...
-    let mut device = CoapDevice::new(coap).await;
+    let mut device = CoapDevice::new(coap, &ResourceKey::device(&ns, "t1")).await;
     let path = format!("d/{ns}/t1");
     let response = device
         .send(RequestType::Get, &format!("{path}/desired"), vec![])
@@ -240,14 +240,15 @@ async fn a_device_report_over_coap_reaches_device_status_and_bad_input_is_refuse
         )
         .await;
     assert_eq!(code(&malformed), ResponseType::BadRequest);
-    let unknown = device
+    // Its DTLS session is t1's: another device's resources are not its.
+    let other = device
         .send(
             RequestType::Post,
             &format!("d/{ns}/nobody/report"),
             codec::encode(&report).unwrap(),
         )
         .await;
-    assert_eq!(code(&unknown), ResponseType::NotFound);
+    assert_eq!(code(&other), ResponseType::Forbidden);
     let oversized = device
         .send(
             RequestType::Post,
@@ -291,7 +292,15 @@ async fn a_device_report_over_coap_reaches_device_status_and_bad_input_is_refuse
     assert_eq!(count("stored"), 3.0, "{metrics}");
     assert!(count("duplicate") >= 1.0, "{metrics}");
     assert_eq!(count("malformed"), 1.0, "{metrics}");
-    assert_eq!(count("unknown_device"), 1.0, "{metrics}");
+    assert_eq!(count("forbidden"), 1.0, "{metrics}");
+    assert_eq!(
+        metric(
+            &metrics,
+            "edgefleet_agent_coap_dtls_total{event=\"established\"}"
+        ),
+        1.0,
+        "{metrics}"
+    );
     assert_eq!(count("too_large"), 1.0, "{metrics}");
     assert_eq!(count("method_not_allowed"), 1.0, "{metrics}");
     // Gauges refresh once a second.

@@ -438,6 +438,9 @@ fn start_agent(data_dir: &Path, coap: SocketAddr, log: &Path) -> (Process, Socke
         "--insecure-plaintext".to_owned(),
         format!("--data-dir={}", data_dir.display()),
         format!("--coap-bind={coap}"),
+        // Offline from the start, it never receives device keys: plain
+        // CoAP (what this test is about is the store under power cuts).
+        "--insecure-coap-plain".to_owned(),
         format!("--metrics-addr={metrics}"),
         format!("--mqtt-listen={}", free_tcp_addr()),
         format!("--outbox-max-events={OUTBOX_MAX_EVENTS}"),

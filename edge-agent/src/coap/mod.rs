@@ -1,4 +1,7 @@
-//! The CoAP server for constrained devices, on UDP.
+//! The CoAP server for constrained devices, on UDP: over DTLS with each
+//! device's pre-shared key by default ([`dtls`]), where a session may act
+//! only for its own device (`4.03 Forbidden` otherwise, outcome
+//! `forbidden`); plain CoAP only with [`Security::InsecurePlain`].
 //!
 //! Resources, per device:
 //! - `POST d/<namespace>/<name>/report` with a CBOR [`DeviceReport`]:
@@ -33,6 +36,7 @@
 //! from [`RecentExchanges`] and not processed twice.
 
 pub mod checks;
+pub mod dtls;
 pub mod observe;
 
 use std::collections::{HashMap, VecDeque};
@@ -52,6 +56,7 @@ use prometheus_client::registry::Registry;
 use tokio::net::UdpSocket;
 use tokio::sync::{Notify, broadcast};
 
+use self::dtls::{DtlsMetrics, DtlsSettings, Sessions};
 use self::observe::{Content, Due, Kind, ObserveSettings, Observers, Outgoing, Registration};
 use crate::store::{DesiredChange, EventOutcome, Store};
 
@@ -66,6 +71,16 @@ pub const RECENT_EXCHANGES: usize = 16_384;
 /// `Max-Age: 1`.
 pub const MAX_REQUESTS_IN_FLIGHT: usize = 512;
 
+/// How devices reach the server.
+#[derive(Clone, Debug)]
+pub enum Security {
+    /// CoAP over DTLS with each device's pre-shared key; a device may only
+    /// act for itself (see [`dtls`]).
+    Dtls(DtlsSettings),
+    /// Plain CoAP: anyone on the network may act for any device. For labs.
+    InsecurePlain,
+}
+
 /// The CoAP server's bounds.
 #[derive(Clone, Debug)]
 pub struct CoapSettings {
@@ -73,6 +88,8 @@ pub struct CoapSettings {
     pub observe: ObserveSettings,
     /// Requests handled at once.
     pub max_requests_in_flight: usize,
+    /// DTLS, or plain CoAP.
+    pub security: Security,
 }
 
 impl Default for CoapSettings {
@@ -80,6 +97,7 @@ impl Default for CoapSettings {
         CoapSettings {
             observe: ObserveSettings::default(),
             max_requests_in_flight: MAX_REQUESTS_IN_FLIGHT,
+            security: Security::Dtls(DtlsSettings::default()),
         }
     }
 }
@@ -93,6 +111,15 @@ pub enum Route {
     Events(ResourceKey),
     /// A device's desired state.
     Desired(ResourceKey),
+}
+
+impl Route {
+    /// The device the resource belongs to.
+    pub fn device(&self) -> &ResourceKey {
+        match self {
+            Route::Report(key) | Route::Events(key) | Route::Desired(key) => key,
+        }
+    }
 }
 
 /// Maps a Uri-Path to a resource.
@@ -188,6 +215,8 @@ pub struct CoapMetrics {
     pub notifications: Outcomes,
     /// Observers registered now.
     pub observers: Gauge,
+    /// DTLS sessions.
+    pub dtls: Arc<DtlsMetrics>,
 }
 
 impl CoapMetrics {
@@ -210,6 +239,7 @@ impl CoapMetrics {
             "CoAP observers registered now",
             self.observers.clone(),
         );
+        self.dtls.register(registry);
     }
 }
 
@@ -217,6 +247,8 @@ impl CoapMetrics {
 #[derive(Debug)]
 struct Shared {
     socket: UdpSocket,
+    // The DTLS sessions; `None` for plain CoAP.
+    sessions: Option<Mutex<Sessions>>,
     store: Store,
     metrics: Arc<CoapMetrics>,
     exchanges: Mutex<RecentExchanges>,
@@ -237,6 +269,32 @@ impl Shared {
         self.metrics.observers.set(observers.len() as i64);
     }
 
+    /// Sends one CoAP message to `peer`, through its DTLS session if the
+    /// server speaks DTLS (and nothing if that session is gone).
+    async fn send_to(&self, message: &[u8], peer: SocketAddr) {
+        let records = match &self.sessions {
+            None => {
+                self.send_datagram(message, peer).await;
+                return;
+            }
+            Some(sessions) => sessions.lock().expect("sessions").send(peer, message),
+        };
+        match records {
+            Some(records) => {
+                for record in records {
+                    self.send_datagram(&record, peer).await;
+                }
+            }
+            None => self.metrics.dtls.events.inc("no_session"),
+        }
+    }
+
+    async fn send_datagram(&self, datagram: &[u8], peer: SocketAddr) {
+        if let Err(error) = self.socket.send_to(datagram, peer).await {
+            tracing::debug!(%peer, %error, "could not send a datagram");
+        }
+    }
+
     async fn send(&self, outgoing: &[Outgoing]) {
         for out in outgoing {
             self.metrics.notifications.inc(match out.kind {
@@ -245,24 +303,12 @@ impl Shared {
                 Kind::Retransmission => "retransmission",
                 Kind::Gone => "gone",
             });
-            if let Err(error) = self.socket.send_to(&out.bytes, out.peer).await {
-                tracing::debug!(peer = %out.peer, %error, "could not send a notification");
-            }
+            self.send_to(&out.bytes, out.peer).await;
         }
         if outgoing.iter().any(|o| o.kind == Kind::Confirmable) {
             self.in_flight.notify_one();
         }
     }
-}
-
-/// Serves CoAP on `socket` until the process ends, with the default
-/// [`CoapSettings`].
-pub async fn serve(
-    socket: UdpSocket,
-    store: Store,
-    metrics: Arc<CoapMetrics>,
-) -> std::io::Result<()> {
-    serve_with(socket, store, metrics, CoapSettings::default()).await
 }
 
 /// Serves CoAP on `socket` until the process ends.
@@ -279,8 +325,17 @@ pub async fn serve_with(
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.subsec_nanos() ^ d.as_secs() as u32)
         .unwrap_or_default();
+    let sessions = match settings.security {
+        Security::Dtls(dtls) => Some(Mutex::new(Sessions::new(
+            store.clone(),
+            dtls,
+            Arc::clone(&metrics.dtls),
+        ))),
+        Security::InsecurePlain => None,
+    };
     let shared = Arc::new(Shared {
         socket,
+        sessions,
         store,
         metrics,
         exchanges: Mutex::new(RecentExchanges::default()),
@@ -292,6 +347,23 @@ pub async fn serve_with(
         served = receive(Arc::clone(&shared)) => served,
         () = notify_changes(Arc::clone(&shared), changes) => Ok(()),
         () = retransmit(Arc::clone(&shared)) => Ok(()),
+        () = dtls_timers(Arc::clone(&shared)) => Ok(()),
+    }
+}
+
+/// Runs the DTLS engines' timers and revocations (nothing for plain CoAP).
+async fn dtls_timers(shared: Arc<Shared>) {
+    let Some(sessions) = &shared.sessions else {
+        return std::future::pending().await;
+    };
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let send = sessions.lock().expect("sessions").tick(Instant::now());
+        for (peer, record) in send {
+            shared.send_datagram(&record, peer).await;
+        }
     }
 }
 
@@ -303,92 +375,97 @@ async fn receive(shared: Arc<Shared>) -> std::io::Result<()> {
     let mut buf = vec![0u8; 65_536];
     loop {
         let (len, peer) = shared.socket.recv_from(&mut buf).await?;
-        let Ok(packet) = Packet::from_bytes(&buf[..len]) else {
-            shared.metrics.requests.inc("not_coap");
+        let Some(sessions) = &shared.sessions else {
+            on_message(&shared, &buf[..len], peer, None).await;
             continue;
         };
-        let message_id = packet.header.message_id;
-        match packet.header.get_type() {
-            MessageType::Reset => {
-                let mut observers = shared.observers();
-                if let Some(device) = observers.reset(peer, message_id) {
-                    tracing::debug!(%device, %peer, "observer reset a notification");
-                    shared.metrics.observe.inc("reset");
-                    shared.count_observers(&observers);
-                }
-                continue;
-            }
-            MessageType::Acknowledgement => {
-                // Acknowledges a confirmable notification, or nothing of ours.
-                shared
-                    .observers()
-                    .acknowledged(peer, message_id, Instant::now());
-                continue;
-            }
-            MessageType::Confirmable if !matches!(packet.header.code, MessageClass::Request(_)) => {
-                // A ping (empty), or a message this server cannot process:
-                // rejected with a Reset (RFC 7252 §4.2, §4.3).
-                let ping = packet.header.code == MessageClass::Empty;
-                shared
-                    .metrics
-                    .requests
-                    .inc(if ping { "ping" } else { "rejected" });
-                let _ = shared.socket.send_to(&reset(message_id), peer).await;
-                continue;
-            }
-            _ if !matches!(packet.header.code, MessageClass::Request(_)) => continue,
-            _ => {}
+        let received =
+            sessions
+                .lock()
+                .expect("sessions")
+                .receive(peer, &buf[..len], Instant::now());
+        for record in &received.send {
+            shared.send_datagram(record, peer).await;
         }
-        let confirmable = packet.header.get_type() == MessageType::Confirmable;
-        if confirmable {
-            let seen =
-                shared
-                    .exchanges
-                    .lock()
-                    .expect("exchanges")
-                    .begin(peer, message_id, Instant::now());
-            match seen {
-                Exchange::New => {}
-                Exchange::Answered(response) => {
-                    shared.metrics.requests.inc("duplicate");
-                    let _ = shared.socket.send_to(&response, peer).await;
-                    continue;
-                }
-                Exchange::InProgress => {
-                    shared.metrics.requests.inc("duplicate");
-                    continue;
-                }
-            }
+        for message in &received.messages {
+            on_message(&shared, message, peer, received.device.as_ref()).await;
         }
-        // Each request in its own task, so one device's durable write does
-        // not hold up the next datagram and flushes can batch; as many at
-        // once as there are permits.
-        let Ok(permit) = Arc::clone(&shared.requests).try_acquire_owned() else {
-            shared.metrics.requests.inc("overloaded");
-            let mut response = reply(&packet, ResponseType::ServiceUnavailable);
-            response.add_option(CoapOption::MaxAge, vec![1]);
-            if let Ok(bytes) = response.to_bytes() {
-                if confirmable {
-                    shared.exchanges.lock().expect("exchanges").answer(
-                        peer,
-                        message_id,
-                        bytes.clone(),
-                    );
-                }
-                let _ = shared.socket.send_to(&bytes, peer).await;
+    }
+}
+
+/// Takes one CoAP message from `peer`; `device` is the device of its DTLS
+/// session (`None` for plain CoAP, where nobody is authenticated).
+async fn on_message(
+    shared: &Arc<Shared>,
+    message: &[u8],
+    peer: SocketAddr,
+    device: Option<&ResourceKey>,
+) {
+    let Ok(packet) = Packet::from_bytes(message) else {
+        shared.metrics.requests.inc("not_coap");
+        return;
+    };
+    let message_id = packet.header.message_id;
+    match packet.header.get_type() {
+        MessageType::Reset => {
+            let mut observers = shared.observers();
+            if let Some(device) = observers.reset(peer, message_id) {
+                tracing::debug!(%device, %peer, "observer reset a notification");
+                shared.metrics.observe.inc("reset");
+                shared.count_observers(&observers);
             }
-            continue;
-        };
-        let shared = Arc::clone(&shared);
-        tokio::spawn(async move {
-            let (outcome, response) = handle(&packet, peer, &shared).await;
-            // Handled: the place is free before the answer leaves, so a
-            // device that sends its next request on the answer finds it.
-            drop(permit);
-            shared.metrics.requests.inc(outcome);
-            let Ok(bytes) = response.to_bytes() else {
+            return;
+        }
+        MessageType::Acknowledgement => {
+            // Acknowledges a confirmable notification, or nothing of ours.
+            shared
+                .observers()
+                .acknowledged(peer, message_id, Instant::now());
+            return;
+        }
+        MessageType::Confirmable if !matches!(packet.header.code, MessageClass::Request(_)) => {
+            // A ping (empty), or a message this server cannot process:
+            // rejected with a Reset (RFC 7252 §4.2, §4.3).
+            let ping = packet.header.code == MessageClass::Empty;
+            shared
+                .metrics
+                .requests
+                .inc(if ping { "ping" } else { "rejected" });
+            shared.send_to(&reset(message_id), peer).await;
+            return;
+        }
+        _ if !matches!(packet.header.code, MessageClass::Request(_)) => return,
+        _ => {}
+    }
+    let confirmable = packet.header.get_type() == MessageType::Confirmable;
+    if confirmable {
+        let seen =
+            shared
+                .exchanges
+                .lock()
+                .expect("exchanges")
+                .begin(peer, message_id, Instant::now());
+        match seen {
+            Exchange::New => {}
+            Exchange::Answered(response) => {
+                shared.metrics.requests.inc("duplicate");
+                shared.send_to(&response, peer).await;
                 return;
-            };
+            }
+            Exchange::InProgress => {
+                shared.metrics.requests.inc("duplicate");
+                return;
+            }
+        }
+    }
+    // Each request in its own task, so one device's durable write does
+    // not hold up the next datagram and flushes can batch; as many at
+    // once as there are permits.
+    let Ok(permit) = Arc::clone(&shared.requests).try_acquire_owned() else {
+        shared.metrics.requests.inc("overloaded");
+        let mut response = reply(&packet, ResponseType::ServiceUnavailable);
+        response.add_option(CoapOption::MaxAge, vec![1]);
+        if let Ok(bytes) = response.to_bytes() {
             if confirmable {
                 shared
                     .exchanges
@@ -396,9 +473,30 @@ async fn receive(shared: Arc<Shared>) -> std::io::Result<()> {
                     .expect("exchanges")
                     .answer(peer, message_id, bytes.clone());
             }
-            let _ = shared.socket.send_to(&bytes, peer).await;
-        });
-    }
+            shared.send_to(&bytes, peer).await;
+        }
+        return;
+    };
+    let shared = Arc::clone(shared);
+    let device = device.cloned();
+    tokio::spawn(async move {
+        let (outcome, response) = handle(&packet, peer, device.as_ref(), &shared).await;
+        // Handled: the place is free before the answer leaves, so a
+        // device that sends its next request on the answer finds it.
+        drop(permit);
+        shared.metrics.requests.inc(outcome);
+        let Ok(bytes) = response.to_bytes() else {
+            return;
+        };
+        if confirmable {
+            shared
+                .exchanges
+                .lock()
+                .expect("exchanges")
+                .answer(peer, message_id, bytes.clone());
+        }
+        shared.send_to(&bytes, peer).await;
+    });
 }
 
 /// Tells observers about every durable change of desired state.
@@ -502,7 +600,14 @@ pub fn path_of(request: &Packet) -> Vec<String> {
 }
 
 /// Handles one request; returns the outcome label and the response.
-async fn handle(request: &Packet, peer: SocketAddr, shared: &Shared) -> (&'static str, Packet) {
+/// `device` is the requester's authenticated device (`None` for plain
+/// CoAP): it may only act for itself.
+async fn handle(
+    request: &Packet,
+    peer: SocketAddr,
+    device: Option<&ResourceKey>,
+    shared: &Shared,
+) -> (&'static str, Packet) {
     let path = path_of(request);
     let route = route(&path);
     let method = match request.header.code {
@@ -526,6 +631,16 @@ async fn handle(request: &Packet, peer: SocketAddr, shared: &Shared) -> (&'stati
             "no such resource; use d/<namespace>/<name>/report, /events or /desired".into(),
         );
     };
+    if let Some(device) = device
+        && route.device() != device
+    {
+        return refuse(
+            request,
+            "forbidden",
+            ResponseType::Forbidden,
+            "a device may only use its own resources".into(),
+        );
+    }
     match (route, method) {
         (Route::Report(key), RequestType::Post) => report(request, &shared.store, &key).await,
         (Route::Events(key), RequestType::Post) => event(request, &shared.store, &key).await,

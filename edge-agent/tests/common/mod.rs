@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use edgefleet_agent::coap::{self, CoapMetrics, CoapSettings};
+use edgefleet_agent::coap::{self, CoapMetrics, CoapSettings, Security};
 use edgefleet_agent::store::{DesiredDevice, Store};
 use edgefleet_shared::api::Transport;
 use edgefleet_shared::{PropertyValue, ResourceKey, ResourceVersion};
@@ -25,6 +25,15 @@ pub fn thermostat(generation: i64, setpoint: f64) -> DesiredDevice {
 /// The device `name` of the namespace `plant`.
 pub fn key(name: &str) -> ResourceKey {
     ResourceKey::device("plant", name)
+}
+
+/// The default settings, but plain CoAP: the protocol tests speak it
+/// without DTLS.
+pub fn plain() -> CoapSettings {
+    CoapSettings {
+        security: Security::InsecurePlain,
+        ..CoapSettings::default()
+    }
 }
 
 /// The server, its store and its counters.

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Parser;
-use edgefleet_agent::coap::{self, CoapMetrics};
+use edgefleet_agent::coap::{self, CoapMetrics, CoapSettings, Security};
 use edgefleet_agent::mqtt::broker::{BrokerSecrets, start_embedded_broker};
 use edgefleet_agent::mqtt::guard::{self, Guard};
 use edgefleet_agent::mqtt::{self, BrokerAddress, MqttMetrics};
@@ -96,14 +96,34 @@ fn main() -> anyhow::Result<()> {
         cli.seconds,
         cli.dir.display()
     ));
-    let phases: [(&str, Phase); 6] = [
+    let phases: [(&str, Phase); 8] = [
         (
-            "CoAP reports, flush without power-cut syncs",
-            Phase::Coap { sync: false },
+            "CoAP reports, plain, no power-cut syncs",
+            Phase::Coap {
+                sync: false,
+                mode: CoapMode::Plain,
+            },
         ),
         (
-            "CoAP reports, flush + power-cut syncs (today)",
-            Phase::Coap { sync: true },
+            "CoAP reports, plain, power-cut syncs",
+            Phase::Coap {
+                sync: true,
+                mode: CoapMode::Plain,
+            },
+        ),
+        (
+            "CoAP reports over DTLS (today)",
+            Phase::Coap {
+                sync: true,
+                mode: CoapMode::Dtls,
+            },
+        ),
+        (
+            "CoAP over DTLS, a new handshake per report",
+            Phase::Coap {
+                sync: true,
+                mode: CoapMode::HandshakeEach,
+            },
         ),
         (
             "MQTT events, one flush per message",
@@ -143,10 +163,22 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum CoapMode {
+    /// Plain CoAP (`--insecure-coap-plain`).
+    Plain,
+    /// CoAP over DTLS, one session per device for the whole phase.
+    Dtls,
+    /// CoAP over DTLS, a new session (a full handshake) for every report:
+    /// what a handshake costs.
+    HandshakeEach,
+}
+
 #[derive(Clone, Copy, Debug)]
 enum Phase {
     Coap {
         sync: bool,
+        mode: CoapMode,
     },
     Mqtt {
         max_batch: usize,
@@ -205,23 +237,34 @@ fn run_phase(
     };
     let store = agent.block_on(seed_store(dir, cli.devices, transport))?;
     let store = match phase {
-        Phase::Coap { sync: false } => store.without_power_cut_sync(),
+        Phase::Coap { sync: false, .. } => store.without_power_cut_sync(),
         _ => store,
     };
     let until = Duration::from_secs(cli.seconds);
     let (served, results) = match phase {
-        Phase::Coap { .. } => {
+        Phase::Coap { mode, .. } => {
             let socket = agent.block_on(tokio::net::UdpSocket::bind("127.0.0.1:0"))?;
             let addr = socket.local_addr()?;
+            let settings = match mode {
+                CoapMode::Plain => CoapSettings {
+                    security: Security::InsecurePlain,
+                    ..CoapSettings::default()
+                },
+                CoapMode::Dtls | CoapMode::HandshakeEach => {
+                    agent.block_on(give_keys(&store))?;
+                    CoapSettings::default()
+                }
+            };
             let served = agent
-                .spawn(coap::serve(
+                .spawn(coap::serve_with(
                     socket,
                     store.clone(),
                     Arc::new(CoapMetrics::default()),
+                    settings,
                 ))
                 .abort_handle();
             let cpu = Cpu::now()?;
-            let results = devices.block_on(coap_devices(addr, cli.devices, until));
+            let results = devices.block_on(coap_devices(addr, cli.devices, until, mode));
             (served, (results, cpu.since()?))
         }
         Phase::Mqtt { max_batch } => {
@@ -318,22 +361,7 @@ async fn embedded(
         };
         return Ok((address, free, tokio::spawn(async {}).abort_handle()));
     }
-    let keys: Vec<_> = store
-        .devices()?
-        .into_iter()
-        .map(|(device, _)| {
-            let i: usize = device.name[1..].parse().expect("d<number>");
-            let psk = Psk::new(device_key(i).into_bytes()).expect("a key");
-            let held = HeldCredential {
-                version: credential::version("bench", &psk),
-                psk,
-            };
-            (credential::key_of(&device), Desired::Credential(held))
-        })
-        .collect();
-    for chunk in keys.chunks(500) {
-        store.apply(chunk, &[]).await?;
-    }
+    give_keys(store).await?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let device_port = listener.local_addr()?;
     let served = tokio::spawn(guard::serve(
@@ -352,6 +380,27 @@ async fn embedded(
         login: Some(secrets.agent_login()),
     };
     Ok((address, device_port, served.abort_handle()))
+}
+
+/// Gives every device of `store` its key.
+async fn give_keys(store: &Store) -> anyhow::Result<()> {
+    let keys: Vec<_> = store
+        .devices()?
+        .into_iter()
+        .map(|(device, _)| {
+            let i: usize = device.name[1..].parse().expect("d<number>");
+            let psk = Psk::new(device_key(i).into_bytes()).expect("a key");
+            let held = HeldCredential {
+                version: credential::version("bench", &psk),
+                psk,
+            };
+            (credential::key_of(&device), Desired::Credential(held))
+        })
+        .collect();
+    for chunk in keys.chunks(500) {
+        store.apply(chunk, &[]).await?;
+    }
+    Ok(())
 }
 
 /// A store in `dir` holding `count` devices.
@@ -385,15 +434,28 @@ type Results = (Vec<Duration>, usize, Duration);
 
 /// `count` CoAP devices, each on its own socket (as constrained devices
 /// are), each sending a new report as soon as the last was acknowledged.
-async fn coap_devices(agent: SocketAddr, count: usize, until: Duration) -> Results {
+async fn coap_devices(agent: SocketAddr, count: usize, until: Duration, mode: CoapMode) -> Results {
     let started = Instant::now();
     let tasks: Vec<_> = (0..count)
         .map(|i| {
             tokio::spawn(async move {
-                let client = CoapClient::connect(agent, 1, 1).await.expect("a socket");
+                let open = || async {
+                    let client = match mode {
+                        CoapMode::Plain => CoapClient::connect(agent, 1, 1).await,
+                        CoapMode::Dtls | CoapMode::HandshakeEach => {
+                            CoapClient::connect_dtls(agent, &key(i), device_key(i).as_bytes(), 1, 1)
+                                .await
+                        }
+                    };
+                    client.expect("a socket")
+                };
+                let mut client = open().await;
                 let (mut latencies, mut failures) = (Vec::new(), 0);
                 let mut value = 0;
                 while started.elapsed() < until {
+                    if mode == CoapMode::HandshakeEach && value > 0 {
+                        client = open().await;
+                    }
                     value += 1;
                     let payload = codec::encode(&numbered_report(value)).expect("a report encodes");
                     let request = Request::report(NAMESPACE, &key(i).name, payload);

@@ -1,0 +1,694 @@
+//! CoAP over DTLS 1.2 with pre-shared keys (RFC 7252 §9.1.3.1), the
+//! agent's side: one UDP socket, a DTLS session per device endpoint.
+//!
+//! The PSK identity is the device's login name `<namespace>:<name>` (as on
+//! MQTT) and its key is the device's key from the store, delivered by the
+//! cloud over the sync link. Only `TLS_PSK_WITH_AES_128_CCM_8` is offered.
+//! A session's identity is its device: [`Sessions::device_of`] gives it to
+//! the CoAP handler, which refuses a request for any other device.
+//!
+//! [`Sessions`] drives the sans-IO DTLS engine ([`dimpl`]); it holds no
+//! socket. Every call returns the datagrams to send, so the server sends
+//! them after releasing its lock.
+//!
+//! Bounds, each counted in `edgefleet_agent_coap_dtls_total{event}`:
+//! - at most `max_handshakes` handshakes at once (a ClientHello beyond is
+//!   dropped: `refused_busy`), each given `handshake_timeout`;
+//! - at most `max_sessions` sessions; a new one beyond evicts the least
+//!   recently heard (`evicted`);
+//! - a device whose key changes or goes loses its sessions at the next
+//!   [`Sessions::tick`] (`revoked`): the device must handshake again, with
+//!   the key it has now;
+//! - a ClientHello from an endpoint that has a session starts a second
+//!   handshake beside it (a device rebooted on the same port); the old
+//!   session is replaced only when the new handshake completes
+//!   (`replaced`), so a forged ClientHello cannot end a session.
+//!   Records that fail to decrypt are dropped by the engine without ending
+//!   the session (RFC 6347 §4.1.2.7).
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::panic::AssertUnwindSafe;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use dimpl::crypto::Dtls12CipherSuite;
+use dimpl::{Config, Dtls, Output, PskResolver};
+use edgefleet_shared::ResourceKey;
+use edgefleet_shared::credential::{self, Psk};
+use edgefleet_shared::telemetry::Outcomes;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use tokio::sync::watch;
+
+use crate::store::Store;
+
+/// The IANA port for CoAP over DTLS (RFC 7252 §12.7).
+pub const COAPS_PORT: u16 = 5684;
+
+/// The DTLS bounds.
+#[derive(Clone, Debug)]
+pub struct DtlsSettings {
+    /// Sessions held at once.
+    pub max_sessions: usize,
+    /// Handshakes in progress at once.
+    pub max_handshakes: usize,
+    /// How long a handshake may take.
+    pub handshake_timeout: Duration,
+    /// The largest datagram sent (records are fragmented to fit).
+    pub mtu: usize,
+}
+
+impl Default for DtlsSettings {
+    fn default() -> Self {
+        DtlsSettings {
+            max_sessions: 10_000,
+            max_handshakes: 256,
+            handshake_timeout: Duration::from_secs(10),
+            mtu: 1_152,
+        }
+    }
+}
+
+/// The DTLS counters.
+#[derive(Debug, Default)]
+pub struct DtlsMetrics {
+    /// Session events: `established`, `handshake_failed`, `refused_busy`,
+    /// `evicted`, `revoked`, `replaced`, `closed` (by the device), `failed`
+    /// (a fatal error on an established session), `not_dtls` (a datagram
+    /// that is no DTLS record), `no_session` (a datagram that is not a
+    /// ClientHello from an endpoint without a session).
+    pub events: Outcomes,
+    /// Sessions established now.
+    pub sessions: Gauge,
+}
+
+impl DtlsMetrics {
+    /// Registers the counters in `registry`.
+    pub fn register(&self, registry: &mut Registry) {
+        self.events
+            .register(registry, "coap_dtls", "CoAP DTLS session events");
+        registry.register(
+            "coap_dtls_sessions",
+            "CoAP DTLS sessions established now",
+            self.sessions.clone(),
+        );
+    }
+}
+
+/// Looks a device's key up by its PSK identity, and remembers which device
+/// it gave a key for: that is the session's device once the handshake
+/// proves the peer holds the key.
+struct KeyLookup {
+    store: AssertUnwindSafe<Store>,
+    given: Mutex<Option<(ResourceKey, Psk)>>,
+}
+
+impl PskResolver for KeyLookup {
+    fn resolve(&self, identity: &[u8]) -> Option<Vec<u8>> {
+        let device = credential::device_of_login(std::str::from_utf8(identity).ok()?)?;
+        let psk = self.store.credential(&device).ok().flatten()?;
+        let bytes = psk.as_bytes().to_vec();
+        *self.given.lock().expect("key lookup") = Some((device, psk));
+        Some(bytes)
+    }
+}
+
+/// One DTLS session (or handshake) with an endpoint.
+struct Session {
+    dtls: Dtls,
+    lookup: Arc<KeyLookup>,
+    /// Set when the handshake completed: the device, its key then, and a
+    /// watch on that key.
+    device: Option<(ResourceKey, Psk, watch::Receiver<()>)>,
+    next_timeout: Option<Instant>,
+    last_heard: Instant,
+}
+
+/// What the engine produced for one session.
+#[derive(Default)]
+struct Drained {
+    packets: Vec<Vec<u8>>,
+    data: Vec<Vec<u8>>,
+    connected: bool,
+    closed: bool,
+}
+
+impl Session {
+    fn new(config: Arc<Config>, lookup: Arc<KeyLookup>, now: Instant) -> Session {
+        Session {
+            dtls: Dtls::new_12_psk(config, now),
+            lookup,
+            device: None,
+            next_timeout: None,
+            last_heard: now,
+        }
+    }
+
+    /// Drains the engine's output until it names its next timer.
+    fn drain(&mut self, buf: &mut Vec<u8>) -> Drained {
+        let mut out = Drained::default();
+        loop {
+            match self.dtls.poll_output(buf) {
+                Output::Packet(p) => out.packets.push(p.to_vec()),
+                Output::BufferTooSmall { needed } => buf.resize(needed, 0),
+                Output::Timeout(at) => {
+                    self.next_timeout = Some(at);
+                    return out;
+                }
+                Output::Connected => out.connected = true,
+                Output::ApplicationData(data) => out.data.push(data.to_vec()),
+                Output::CloseNotify => out.closed = true,
+                _ => {}
+            }
+        }
+    }
+}
+
+/// Both slots of an endpoint: its session, and a handshake that will
+/// replace it.
+#[derive(Default)]
+struct Endpoint {
+    current: Option<Session>,
+    pending: Option<Session>,
+}
+
+/// What one datagram came to.
+#[derive(Debug, Default)]
+pub struct Received {
+    /// Records to send back to the endpoint.
+    pub send: Vec<Vec<u8>>,
+    /// CoAP messages the endpoint's device sent.
+    pub messages: Vec<Vec<u8>>,
+    /// The device of the endpoint's session, if it has one.
+    pub device: Option<ResourceKey>,
+}
+
+/// Every DTLS session of the server.
+pub struct Sessions {
+    store: Store,
+    settings: DtlsSettings,
+    metrics: Arc<DtlsMetrics>,
+    endpoints: HashMap<SocketAddr, Endpoint>,
+    buf: Vec<u8>,
+}
+
+impl std::fmt::Debug for Sessions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sessions")
+            .field("endpoints", &self.endpoints.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The record's content type and epoch, if `datagram` starts with a DTLS
+/// 1.x record header.
+fn record_header(datagram: &[u8]) -> Option<(u8, u16)> {
+    if datagram.len() < 13 || datagram[1] != 0xfe {
+        return None;
+    }
+    Some((datagram[0], u16::from_be_bytes([datagram[3], datagram[4]])))
+}
+
+const HANDSHAKE: u8 = 22;
+
+/// Whether `datagram` starts with a ClientHello (a handshake record of
+/// epoch 0 whose message type is 1).
+fn is_client_hello(datagram: &[u8]) -> bool {
+    record_header(datagram) == Some((HANDSHAKE, 0)) && datagram.get(13) == Some(&1)
+}
+
+impl Sessions {
+    /// No sessions yet.
+    pub fn new(store: Store, settings: DtlsSettings, metrics: Arc<DtlsMetrics>) -> Sessions {
+        Sessions {
+            store,
+            settings,
+            metrics,
+            endpoints: HashMap::new(),
+            buf: vec![0; 2_048],
+        }
+    }
+
+    fn config(&self, lookup: Arc<KeyLookup>) -> Arc<Config> {
+        let config = Config::builder()
+            .mtu(self.settings.mtu)
+            .handshake_timeout(self.settings.handshake_timeout)
+            .dtls12_cipher_suites(&[Dtls12CipherSuite::PSK_AES128_CCM_8])
+            .dtls13_cipher_suites(&[])
+            .with_psk_server(None, lookup)
+            .build()
+            .expect("a PSK-only DTLS 1.2 configuration is valid");
+        Arc::new(config)
+    }
+
+    fn handshakes(&self) -> usize {
+        self.endpoints
+            .values()
+            .map(|e| {
+                usize::from(e.pending.is_some())
+                    + usize::from(e.current.as_ref().is_some_and(|s| s.device.is_none()))
+            })
+            .sum()
+    }
+
+    fn established(&self) -> usize {
+        self.endpoints
+            .values()
+            .filter(|e| e.current.as_ref().is_some_and(|s| s.device.is_some()))
+            .count()
+    }
+
+    /// The device of `peer`'s session, once its handshake completed.
+    pub fn device_of(&self, peer: SocketAddr) -> Option<&ResourceKey> {
+        self.endpoints
+            .get(&peer)?
+            .current
+            .as_ref()?
+            .device
+            .as_ref()
+            .map(|(device, _, _)| device)
+    }
+
+    /// Sessions established now.
+    pub fn len(&self) -> usize {
+        self.established()
+    }
+
+    /// Whether none is established.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Takes one datagram from `peer`.
+    pub fn receive(&mut self, peer: SocketAddr, datagram: &[u8], now: Instant) -> Received {
+        let mut received = Received::default();
+        if record_header(datagram).is_none() {
+            self.metrics.events.inc("not_dtls");
+            return received;
+        }
+        let endpoints_before = self.endpoints.len();
+        let device_before = self.device_of(peer).cloned();
+        let hello = is_client_hello(datagram);
+        let known = self.endpoints.contains_key(&peer);
+        // A ClientHello starts a handshake unless one is under way (its
+        // second ClientHello, with the cookie, belongs to it): beside the
+        // endpoint's session, if it has one.
+        let under_way = self.endpoints.get(&peer).is_some_and(|e| {
+            e.pending.is_some() || e.current.as_ref().is_some_and(|s| s.device.is_none())
+        });
+        if hello && !under_way {
+            if self.handshakes() >= self.settings.max_handshakes {
+                self.metrics.events.inc("refused_busy");
+                return received;
+            }
+            let lookup = Arc::new(KeyLookup {
+                store: AssertUnwindSafe(self.store.clone()),
+                given: Mutex::new(None),
+            });
+            let session = Session::new(self.config(Arc::clone(&lookup)), lookup, now);
+            let endpoint = self.endpoints.entry(peer).or_default();
+            match endpoint.current {
+                Some(_) => endpoint.pending = Some(session),
+                None => endpoint.current = Some(session),
+            }
+        } else if !known {
+            self.metrics.events.inc("no_session");
+            return received;
+        }
+        let epoch0 = record_header(datagram).is_some_and(|(_, epoch)| epoch == 0);
+        let endpoint = self.endpoints.get_mut(&peer).expect("an endpoint");
+        // Epoch-0 records belong to the replacing handshake, if there is
+        // one; protected records may belong to either (the replacing
+        // handshake's Finished, or the session's data): each engine drops
+        // what it cannot decrypt.
+        let to_pending = endpoint.pending.is_some();
+        let to_current = !(to_pending && epoch0);
+        let mut replace = false;
+        if to_pending {
+            let pending = endpoint.pending.as_mut().expect("pending");
+            match self::feed(pending, datagram, now, &mut self.buf) {
+                Ok(drained) => {
+                    received.send.extend(drained.packets);
+                    if drained.connected {
+                        replace = true;
+                    }
+                }
+                Err(()) => {
+                    endpoint.pending = None;
+                    self.metrics.events.inc("handshake_failed");
+                }
+            }
+        }
+        if replace {
+            let mut pending = endpoint.pending.take().expect("pending");
+            if !self::establish(&mut pending, &self.store) {
+                self.metrics.events.inc("handshake_failed");
+            } else {
+                endpoint.current = Some(pending);
+                self.metrics.events.inc("replaced");
+            }
+        } else if to_current && let Some(current) = endpoint.current.as_mut() {
+            let was_established = current.device.is_some();
+            match self::feed(current, datagram, now, &mut self.buf) {
+                Ok(drained) => {
+                    received.send.extend(drained.packets);
+                    if drained.connected && !self::establish(current, &self.store) {
+                        endpoint.current = None;
+                        self.metrics.events.inc("handshake_failed");
+                    } else if drained.connected {
+                        self.metrics.events.inc("established");
+                    }
+                    if drained.closed {
+                        endpoint.current = None;
+                        self.metrics.events.inc("closed");
+                    }
+                    received.messages = drained.data;
+                }
+                Err(()) => {
+                    endpoint.current = None;
+                    self.metrics.events.inc(if was_established {
+                        "failed"
+                    } else {
+                        "handshake_failed"
+                    });
+                }
+            }
+        }
+        if endpoint.current.is_none() {
+            endpoint.current = endpoint.pending.take();
+        }
+        if endpoint.current.is_none() {
+            self.endpoints.remove(&peer);
+        }
+        received.device = self.device_of(peer).cloned();
+        if received.device.is_none() {
+            // Nothing is handled before the handshake completes.
+            received.messages.clear();
+        }
+        if self.endpoints.len() != endpoints_before || received.device != device_before {
+            // A session began, ended or changed hands: only then count
+            // (counting walks every endpoint).
+            self.evict_over_cap(peer);
+            self.metrics.sessions.set(self.established() as i64);
+        }
+        received
+    }
+
+    /// Beyond `max_sessions`: ends the least recently heard session other
+    /// than `keep`'s.
+    fn evict_over_cap(&mut self, keep: SocketAddr) {
+        if self.established() <= self.settings.max_sessions {
+            return;
+        }
+        let oldest = self
+            .endpoints
+            .iter()
+            .filter(|(peer, e)| {
+                **peer != keep && e.current.as_ref().is_some_and(|s| s.device.is_some())
+            })
+            .min_by_key(|(_, e)| e.current.as_ref().map(|s| s.last_heard))
+            .map(|(peer, _)| *peer);
+        if let Some(peer) = oldest {
+            self.endpoints.remove(&peer);
+            self.metrics.events.inc("evicted");
+        }
+    }
+
+    /// Protects `message` for `peer`'s session: the records to send, or
+    /// `None` when the endpoint has no session (it went).
+    pub fn send(&mut self, peer: SocketAddr, message: &[u8]) -> Option<Vec<Vec<u8>>> {
+        let endpoint = self.endpoints.get_mut(&peer)?;
+        let session = endpoint.current.as_mut().filter(|s| s.device.is_some())?;
+        if session.dtls.send_application_data(message).is_err() {
+            endpoint.current = endpoint.pending.take();
+            self.metrics.events.inc("failed");
+            return None;
+        }
+        Some(session.drain(&mut self.buf).packets)
+    }
+
+    /// Runs the engines' timers (retransmitted flights, handshake
+    /// deadlines) and ends the sessions whose device's key changed or went.
+    /// Returns the records to send.
+    pub fn tick(&mut self, now: Instant) -> Vec<(SocketAddr, Vec<u8>)> {
+        let mut send = Vec::new();
+        let mut gone = Vec::new();
+        for (peer, endpoint) in &mut self.endpoints {
+            for slot in [&mut endpoint.pending, &mut endpoint.current] {
+                let Some(session) = slot.as_mut() else {
+                    continue;
+                };
+                if let Some((device, psk, watch)) = session.device.as_mut()
+                    && watch.has_changed().unwrap_or(true)
+                {
+                    watch.mark_unchanged();
+                    let now_key = self.store.credential(device).ok().flatten();
+                    if !now_key.is_some_and(|k| k.matches(psk.as_bytes())) {
+                        tracing::info!(%device, %peer, "device key changed or revoked; DTLS session ended");
+                        let _ = session.dtls.close();
+                        send.extend(
+                            session
+                                .drain(&mut self.buf)
+                                .packets
+                                .into_iter()
+                                .map(|p| (*peer, p)),
+                        );
+                        *slot = None;
+                        self.metrics.events.inc("revoked");
+                        continue;
+                    }
+                }
+                if session.next_timeout.is_none_or(|at| at > now) {
+                    continue;
+                }
+                let handshaking = session.device.is_none();
+                if session.dtls.handle_timeout(now).is_err() {
+                    *slot = None;
+                    self.metrics.events.inc(if handshaking {
+                        "handshake_failed"
+                    } else {
+                        "failed"
+                    });
+                    continue;
+                }
+                let drained = session.drain(&mut self.buf);
+                send.extend(drained.packets.into_iter().map(|p| (*peer, p)));
+            }
+            if endpoint.current.is_none() {
+                endpoint.current = endpoint.pending.take();
+            }
+            if endpoint.current.is_none() {
+                gone.push(*peer);
+            }
+        }
+        for peer in gone {
+            self.endpoints.remove(&peer);
+        }
+        self.metrics.sessions.set(self.established() as i64);
+        send
+    }
+}
+
+/// Feeds one datagram to a session's engine.
+fn feed(
+    session: &mut Session,
+    datagram: &[u8],
+    now: Instant,
+    buf: &mut Vec<u8>,
+) -> Result<Drained, ()> {
+    session.dtls.handle_timeout(now).map_err(|_| ())?;
+    session.dtls.handle_packet(datagram).map_err(|_| ())?;
+    session.last_heard = now;
+    Ok(session.drain(buf))
+}
+
+/// Completes a session whose handshake finished: its device is the one the
+/// key was looked up for (the handshake proved the peer holds that key).
+fn establish(session: &mut Session, store: &Store) -> bool {
+    let given = session.lookup.given.lock().expect("key lookup").take();
+    match given {
+        Some((device, psk)) => {
+            let watch = store.credential_watch(&device);
+            // The key may have changed since the handshake looked it up,
+            // before the watch existed.
+            let still = store.credential(&device).ok().flatten();
+            if !still.is_some_and(|k| k.matches(psk.as_bytes())) {
+                return false;
+            }
+            tracing::debug!(%device, "DTLS session established");
+            session.device = Some((device, psk, watch));
+            true
+        }
+        None => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{Desired, HeldCredential};
+
+    const KEY: &[u8] = b"t1-key-0123456789abcdef";
+
+    struct Fixed(Vec<u8>);
+
+    impl PskResolver for Fixed {
+        fn resolve(&self, _identity: &[u8]) -> Option<Vec<u8>> {
+            Some(self.0.clone())
+        }
+    }
+
+    /// A device's engine, driven in memory.
+    fn client(identity: &str, key: &[u8]) -> Dtls {
+        let config = Config::builder()
+            .dtls12_cipher_suites(&[Dtls12CipherSuite::PSK_AES128_CCM_8])
+            .dtls13_cipher_suites(&[])
+            .with_psk_client(identity.as_bytes().to_vec(), Arc::new(Fixed(key.to_vec())))
+            .build()
+            .unwrap();
+        let mut dtls = Dtls::new_12_psk(Arc::new(config), Instant::now());
+        dtls.set_active(true);
+        dtls
+    }
+
+    /// Everything `dtls` has to send, and the messages it received.
+    fn output(dtls: &mut Dtls) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
+        let (mut packets, mut data) = (Vec::new(), Vec::new());
+        let mut buf = vec![0; 4096];
+        loop {
+            match dtls.poll_output(&mut buf) {
+                Output::Packet(p) => packets.push(p.to_vec()),
+                Output::ApplicationData(d) => data.push(d.to_vec()),
+                Output::Timeout(_) => return (packets, data),
+                _ => {}
+            }
+        }
+    }
+
+    /// Runs the handshake of `dtls` from `peer` to its end.
+    fn handshake(sessions: &mut Sessions, peer: SocketAddr, dtls: &mut Dtls) {
+        dtls.handle_timeout(Instant::now()).unwrap();
+        for _ in 0..10 {
+            let (packets, _) = output(dtls);
+            for packet in packets {
+                for back in sessions.receive(peer, &packet, Instant::now()).send {
+                    dtls.handle_packet(&back).unwrap();
+                }
+            }
+        }
+    }
+
+    /// What the agent makes of `message` sent by `dtls` from `peer`.
+    fn send(
+        sessions: &mut Sessions,
+        peer: SocketAddr,
+        dtls: &mut Dtls,
+        message: &[u8],
+    ) -> Received {
+        dtls.send_application_data(message).unwrap();
+        let (packets, _) = output(dtls);
+        let mut received = Received::default();
+        for packet in packets {
+            let r = sessions.receive(peer, &packet, Instant::now());
+            received.messages.extend(r.messages);
+            received.device = r.device;
+        }
+        received
+    }
+
+    async fn sessions(settings: DtlsSettings) -> (Sessions, Arc<DtlsMetrics>, tempfile::TempDir) {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("store")).unwrap().store;
+        let psk = Psk::new(KEY.to_vec()).unwrap();
+        let held = Desired::Credential(HeldCredential {
+            version: credential::version("uid", &psk),
+            psk,
+        });
+        let device = ResourceKey::device("plant", "t1");
+        store
+            .apply(&[(credential::key_of(&device), held)], &[])
+            .await
+            .unwrap();
+        let metrics = Arc::new(DtlsMetrics::default());
+        (
+            Sessions::new(store, settings, Arc::clone(&metrics)),
+            metrics,
+            dir,
+        )
+    }
+
+    fn peer(port: u16) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], port))
+    }
+
+    #[tokio::test]
+    async fn forged_records_and_hellos_from_a_devices_address_leave_its_session_working() {
+        let (mut sessions, metrics, _dir) = sessions(DtlsSettings::default()).await;
+        let mut device = client("plant:t1", KEY);
+        handshake(&mut sessions, peer(1), &mut device);
+        let t1 = ResourceKey::device("plant", "t1");
+        assert_eq!(sessions.device_of(peer(1)), Some(&t1));
+
+        // A record of epoch 1 that does not decrypt, then a ClientHello, as
+        // a host that puts the device's address on its datagrams sends.
+        let mut forged = vec![23, 0xfe, 0xfd, 0, 1, 0, 0, 0, 0, 0, 9, 0, 24];
+        forged.extend([0x55; 24]);
+        assert!(
+            sessions
+                .receive(peer(1), &forged, Instant::now())
+                .messages
+                .is_empty()
+        );
+        let mut impostor = client("plant:t1", b"not-the-key-0123456789");
+        impostor.handle_timeout(Instant::now()).unwrap();
+        for hello in output(&mut impostor).0 {
+            sessions.receive(peer(1), &hello, Instant::now());
+        }
+
+        let received = send(&mut sessions, peer(1), &mut device, b"still here");
+        assert_eq!(received.messages, vec![b"still here".to_vec()]);
+        assert_eq!(received.device, Some(t1));
+        assert_eq!(metrics.events.get("failed"), 0);
+        assert_eq!(metrics.events.get("replaced"), 0);
+        assert_eq!(sessions.len(), 1);
+    }
+
+    #[tokio::test]
+    async fn handshakes_beyond_the_bound_are_dropped_and_sessions_beyond_it_evict_the_oldest() {
+        let settings_again = || DtlsSettings {
+            max_sessions: 2,
+            max_handshakes: 1,
+            ..DtlsSettings::default()
+        };
+        let (mut sessions, metrics, _dir) = sessions(settings_again()).await;
+
+        // One handshake under way: a second ClientHello is dropped.
+        let mut first = client("plant:t1", KEY);
+        first.handle_timeout(Instant::now()).unwrap();
+        let hello = output(&mut first).0.remove(0);
+        sessions.receive(peer(1), &hello, Instant::now());
+        let mut second = client("plant:t1", KEY);
+        second.handle_timeout(Instant::now()).unwrap();
+        let hello = output(&mut second).0.remove(0);
+        assert!(
+            sessions
+                .receive(peer(2), &hello, Instant::now())
+                .send
+                .is_empty()
+        );
+        assert_eq!(metrics.events.get("refused_busy"), 1);
+
+        // Three devices one after the other: the least recently heard goes.
+        let (mut sessions, metrics, _dir) = self::sessions(settings_again()).await;
+        let mut devices: Vec<_> = (10..13).map(|_| client("plant:t1", KEY)).collect();
+        handshake(&mut sessions, peer(10), &mut devices[0]);
+        handshake(&mut sessions, peer(11), &mut devices[1]);
+        send(&mut sessions, peer(10), &mut devices[0], b"heard");
+        handshake(&mut sessions, peer(12), &mut devices[2]);
+        assert_eq!(metrics.events.get("evicted"), 1);
+        assert!(sessions.device_of(peer(11)).is_none());
+        assert!(sessions.device_of(peer(10)).is_some());
+        assert!(sessions.device_of(peer(12)).is_some());
+    }
+}
