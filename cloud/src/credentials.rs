@@ -19,12 +19,11 @@ use edgefleet_shared::ResourceKey;
 use edgefleet_shared::api::Device;
 use edgefleet_shared::credential::{self, DEVICE_LABEL, PSK_KEY, Psk, SECRET_TYPE};
 use edgefleet_shared::proto::{self, resource};
+use edgefleet_shared::telemetry::Outcomes;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Secret;
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Resource, ResourceExt};
-
-use edgefleet_shared::telemetry::Outcomes;
 
 use crate::events::{Events, Note};
 use crate::index::{Index, Indexed};
@@ -109,7 +108,6 @@ impl Join {
         let name = secret.name_any();
         let mut touched = self.secret_deleted(&namespace, &name);
         let Some(device) = secret.labels().get(DEVICE_LABEL) else {
-            tracing::warn!(%namespace, secret = %name, "a {SECRET_TYPE} Secret without the label {DEVICE_LABEL}: it is for no device");
             return touched;
         };
         let device = ResourceKey::device(&namespace, device);
@@ -119,9 +117,6 @@ impl Join {
             .and_then(|d| d.get(PSK_KEY))
             .ok_or_else(|| format!("it has no data key {PSK_KEY:?}"))
             .and_then(|b| Psk::new(b.0.clone()).map_err(|e| e.to_string()));
-        if let Err(reason) = &psk {
-            tracing::warn!(%namespace, secret = %name, device = %device.name, %reason, "device key refused; the device gets no credential");
-        }
         self.claims
             .entry(device.clone())
             .or_default()
@@ -220,6 +215,9 @@ impl Join {
     }
 }
 
+/// A Secret's namespace and name.
+type SecretName = (String, String);
+
 /// The join, and the index it keeps current.
 #[derive(Debug)]
 pub struct Credentials {
@@ -228,6 +226,9 @@ pub struct Credentials {
     // Where a Secret that gives no key is told of (not in unit tests).
     events: Option<Events>,
     judged: Outcomes,
+    // What each Secret was last judged, at which resourceVersion: a relist
+    // that changes nothing tells nothing again.
+    told: Mutex<HashMap<SecretName, (Option<String>, Judgement)>>,
 }
 
 impl Credentials {
@@ -238,6 +239,7 @@ impl Credentials {
             index,
             events: None,
             judged: Outcomes::default(),
+            told: Mutex::default(),
         }
     }
 
@@ -249,14 +251,30 @@ impl Credentials {
         self
     }
 
-    /// Counts and tells of what became of `secret`.
+    /// Counts, logs and tells (an Event) what became of `secret`, unless
+    /// the same was told of the same version of it.
     fn tell(&self, join: &Join, secret: &Secret) {
-        let namespace = secret.namespace().unwrap_or_default();
-        let judgement = join.judge(&namespace, &secret.name_any());
+        let (namespace, name) = (secret.namespace().unwrap_or_default(), secret.name_any());
+        let judgement = join.judge(&namespace, &name);
+        let judged = (secret.resource_version(), judgement.clone());
+        let mut told = self.told.lock().expect("told lock");
+        if told.get(&(namespace.clone(), name.clone())) == Some(&judged) {
+            return;
+        }
+        told.insert((namespace.clone(), name.clone()), judged);
         self.judged.inc(judgement.label());
-        if let (Some(events), Some(note)) = (&self.events, judgement.note()) {
+        let Some(note) = judgement.note() else {
+            return;
+        };
+        tracing::warn!(%namespace, secret = %name, reason = note.reason, "{}", note.text);
+        if let Some(events) = &self.events {
             events.publish(secret.object_ref(&()), note);
         }
+    }
+
+    /// Forgets what was told of Secrets not in `kept`.
+    fn forget_told(&self, kept: impl Fn(&SecretName) -> bool) {
+        self.told.lock().expect("told lock").retain(|k, _| kept(k));
     }
 
     fn place(&self, join: &Join, devices: impl IntoIterator<Item = ResourceKey>) {
@@ -314,6 +332,11 @@ impl Credentials {
         for secret in secrets {
             join.secret_applied(secret);
         }
+        let listed: BTreeSet<_> = secrets
+            .iter()
+            .map(|s| (s.namespace().unwrap_or_default(), s.name_any()))
+            .collect();
+        self.forget_told(|k| listed.contains(k));
         for secret in secrets {
             self.tell(&join, secret);
         }
@@ -329,9 +352,10 @@ impl Credentials {
     }
 
     fn secret_deleted(&self, secret: &Secret) {
+        let (namespace, name) = (secret.namespace().unwrap_or_default(), secret.name_any());
+        self.forget_told(|k| k != &(namespace.clone(), name.clone()));
         let mut join = self.join.lock().expect("credentials lock");
-        let touched =
-            join.secret_deleted(&secret.namespace().unwrap_or_default(), &secret.name_any());
+        let touched = join.secret_deleted(&namespace, &name);
         self.place(&join, touched);
     }
 }
@@ -506,6 +530,31 @@ mod tests {
         assert_eq!(psk_on(&join, &t1), None, "two Secrets claim t1");
         join.secret_deleted("plant", "a");
         assert_eq!(psk_on(&join, &t1).unwrap().1, ROTATED);
+    }
+
+    #[test]
+    fn a_relist_that_changes_nothing_counts_nothing_again() {
+        let credentials = Credentials::new(Arc::new(Index::default()));
+        let versioned = |name, device, psk, version: &str| {
+            let mut s = secret(name, device, psk, name);
+            s.metadata.resource_version = Some(version.into());
+            s
+        };
+        let listed = [
+            versioned("a", Some("t1"), KEY, "1"),
+            versioned("short", Some("t2"), b"short", "2"),
+        ];
+        credentials.secrets_listed(&listed);
+        credentials.secrets_listed(&listed);
+        assert_eq!(credentials.judged.get("taken"), 1);
+        assert_eq!(credentials.judged.get("refused"), 1);
+        // A rotation is a new version: counted again. A Secret deleted and
+        // created again is told of again.
+        credentials.secret_applied(&versioned("a", Some("t1"), ROTATED, "3"));
+        assert_eq!(credentials.judged.get("taken"), 2);
+        credentials.secret_deleted(&listed[1]);
+        credentials.secret_applied(&listed[1]);
+        assert_eq!(credentials.judged.get("refused"), 2);
     }
 
     #[test]
