@@ -66,13 +66,19 @@ pub type Routes = HashMap<String, Route>;
 /// and the event loop that must be driven (see [`drive`]) for it to do
 /// anything.
 pub fn connect(device: &ResourceKey, key: &Psk, host: &str, port: u16) -> (AsyncClient, EventLoop) {
+    AsyncClient::new(login(device, key, host, port), REQUEST_QUEUE)
+}
+
+/// The MQTT options of `device` logging in with `key` at `host:port`:
+/// client id and user `<namespace>:<name>`, the key as password.
+pub fn login(device: &ResourceKey, key: &Psk, host: &str, port: u16) -> MqttOptions {
     let name = credential::login_name(device);
     let mut options = MqttOptions::new(&name, host, port);
     options
         .set_keep_alive(Duration::from_secs(30))
         .set_clean_session(true)
         .set_credentials(name, String::from_utf8_lossy(key.as_bytes()));
-    AsyncClient::new(options, REQUEST_QUEUE)
+    options
 }
 
 /// Drives the session until `stop` turns true: (re)subscribes on every
