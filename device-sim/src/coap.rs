@@ -317,8 +317,8 @@ impl CoapClient {
             Err(e) => return done(&retransmission, Err(ExchangeError::Encode(e.to_string()))),
         };
         let mut wait = retransmission.timeout();
-        let began = Instant::now();
         loop {
+            let sent = Instant::now();
             if let Err(e) = self.link.send(&bytes).await {
                 // Typically an ICMP error from an earlier datagram (the agent
                 // is not listening yet); the retransmission schedule covers it.
@@ -330,10 +330,10 @@ impl CoapClient {
                 Ok(Err(_)) => return done(&retransmission, Err(ExchangeError::Closed)),
                 Err(_) => match retransmission.on_timeout() {
                     OnTimeout::Retransmit(next) => {
-                        // Silence: the agent may have lost the session (it
-                        // restarted).
+                        // Nothing heard since this transmission: the agent
+                        // may have lost the session (it restarted).
                         if let Link::Dtls(link) = self.link.as_ref() {
-                            link.renew(began).await;
+                            link.renew(sent).await;
                         }
                         wait = next;
                     }

@@ -11,14 +11,21 @@
 //! records, and says nothing (an unauthenticated alert would let anybody
 //! end sessions). So the device starts a new handshake when it asks for one
 //! ([`DtlsLink::renew`], after a request went unanswered) and nothing came
-//! from the agent since; and when the engine fails.
+//! from the agent since; and when the engine fails. The new session sends
+//! again what was sent since the agent was last heard (the agent answers a
+//! repeated message id from its memory and stores nothing twice). An agent
+//! that restarted answers a record of a session it forgot with an
+//! unprotected alert; the device takes that as the sign to handshake again
+//! at once.
 
+use std::collections::VecDeque;
 use std::io;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dimpl::crypto::Dtls12CipherSuite;
 use dimpl::{Config, Dtls, Output, PskResolver};
+use edgefleet_shared::dtls::FORGOTTEN_SESSION_ALERT;
 use tokio::net::UdpSocket;
 use tokio::sync::{Mutex, mpsc};
 use tokio::task::AbortHandle;
@@ -99,6 +106,10 @@ impl Drop for DtlsLink {
     }
 }
 
+/// How many messages sent since the agent was last heard are kept, to
+/// send again in a new session.
+const UNANSWERED: usize = 16;
+
 /// The engine and what the task knows of it.
 struct Engine {
     dtls: Dtls,
@@ -106,10 +117,18 @@ struct Engine {
 }
 
 impl Engine {
-    fn new(config: &Arc<Config>) -> Engine {
+    /// A new session, which sends `unanswered` once it is established (a
+    /// new session means the old one went silent: what was sent in it may
+    /// be lost, and waiting for the request's own retransmission can take
+    /// many seconds; the agent drops a repeated message id).
+    fn new(config: &Arc<Config>, unanswered: &VecDeque<Vec<u8>>) -> Engine {
         let now = Instant::now();
         let mut dtls = Dtls::new_12_psk(Arc::clone(config), now);
         dtls.set_active(true);
+        for message in unanswered {
+            // Before the handshake completes, the engine only queues.
+            let _ = dtls.send_application_data(message);
+        }
         Engine {
             dtls,
             next_timeout: now,
@@ -123,8 +142,11 @@ async fn drive(
     mut commands: mpsc::Receiver<Command>,
     incoming: mpsc::Sender<Vec<u8>>,
 ) {
-    let mut engine = Engine::new(&config);
+    let mut unanswered = VecDeque::new();
+    let mut engine = Engine::new(&config, &unanswered);
     let mut last_heard: Option<Instant> = None;
+    // Whether the engine's handshake completed.
+    let mut connected = false;
     let mut buf = vec![0u8; 65_536];
     let mut out = vec![0u8; 2_048];
     loop {
@@ -142,9 +164,16 @@ async fn drive(
                     engine.next_timeout = at;
                     break;
                 }
-                // Nobody reads any more: the client is gone.
-                Output::ApplicationData(data) if incoming.send(data.to_vec()).await.is_err() => {
-                    return;
+                Output::Connected => connected = true,
+                Output::ApplicationData(data) => {
+                    // The answer (same message id) to a message sent.
+                    if let Some(id) = data.get(2..4) {
+                        unanswered.retain(|m| m.get(2..4) != Some(id));
+                    }
+                    if incoming.send(data.to_vec()).await.is_err() {
+                        // Nobody reads any more: the client is gone.
+                        return;
+                    }
                 }
                 Output::CloseNotify => failed = true,
                 _ => {}
@@ -154,16 +183,26 @@ async fn drive(
             // Ended by the agent (a key that changed) or broken: begin anew.
             tracing::debug!("DTLS session ended; handshaking again");
             tokio::time::sleep(Duration::from_secs(1)).await;
-            engine = Engine::new(&config);
+            engine = Engine::new(&config, &unanswered);
+            connected = false;
             continue;
         }
         tokio::select! {
             received = socket.recv(&mut buf) => match received {
+                Ok(len) if connected && buf[..len] == FORGOTTEN_SESSION_ALERT => {
+                    // The agent forgot the session (it restarted): begin a
+                    // new one now. Unprotected, so only a hint: a forged one
+                    // costs a handshake, and ends nothing by itself.
+                    tracing::debug!("the agent has no session for this device; handshaking again");
+                    engine = Engine::new(&config, &unanswered);
+                    connected = false;
+                }
                 Ok(len) => {
                     let now = Instant::now();
                     let _ = engine.dtls.handle_timeout(now);
                     if engine.dtls.handle_packet(&buf[..len]).is_err() {
-                        engine = Engine::new(&config);
+                        engine = Engine::new(&config, &unanswered);
+                        connected = false;
                     } else {
                         last_heard = Some(now);
                     }
@@ -173,14 +212,21 @@ async fn drive(
             },
             command = commands.recv() => match command {
                 Some(Command::Send(message)) => {
-                    if engine.dtls.send_application_data(&message).is_err() {
-                        engine = Engine::new(&config);
+                    if unanswered.len() == UNANSWERED {
+                        unanswered.pop_front();
+                    }
+                    unanswered.push_back(message);
+                    let message = unanswered.back().expect("just pushed");
+                    if engine.dtls.send_application_data(message).is_err() {
+                        engine = Engine::new(&config, &unanswered);
+                        connected = false;
                     }
                 }
                 Some(Command::Renew(since)) => {
                     if last_heard.is_none_or(|heard| heard < since) {
                         tracing::debug!("the agent went silent; renewing the DTLS session");
-                        engine = Engine::new(&config);
+                        engine = Engine::new(&config, &unanswered);
+                        connected = false;
                         last_heard = None;
                     }
                 }

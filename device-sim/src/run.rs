@@ -60,8 +60,10 @@ const EVENT_RETRY: Duration = Duration::from_secs(3);
 /// meanwhile is better asked again at once (it stores each id once).
 const EVENT_ATTEMPT: Duration = Duration::from_secs(6);
 
-/// How long a stopping device waits for its report in flight.
-const STOP_GRACE: Duration = Duration::from_secs(5);
+/// How long a stopping device waits for its report in flight: long enough
+/// for two retransmissions (2–3 s, then 4–6 s), as a report whose answer
+/// was lost to an agent restart needs one in a new DTLS session.
+const STOP_GRACE: Duration = Duration::from_secs(12);
 
 /// One line of the final-state file: a device's last report the agent
 /// acknowledged (for MQTT devices: the last one handed to the session).

@@ -18,6 +18,7 @@ pub mod api;
 mod cel_names;
 pub mod codec;
 pub mod credential;
+pub mod dtls;
 pub mod health;
 pub mod health_check;
 pub mod health_gate;

@@ -57,8 +57,8 @@ impl CoapDevice {
     /// handshaking again while its key is on its way); the answer.
     pub async fn exchange(&self, packet: &Packet) -> Packet {
         let bytes = packet.to_bytes().unwrap();
-        let began = Instant::now();
         for _ in 0..40 {
+            let sent = Instant::now();
             self.link.send(&bytes).await.unwrap();
             let deadline = tokio::time::Instant::now() + Duration::from_millis(500);
             while let Ok(Ok(answer)) = tokio::time::timeout_at(deadline, self.link.recv()).await {
@@ -68,7 +68,7 @@ impl CoapDevice {
                     return response;
                 }
             }
-            self.link.renew(began).await;
+            self.link.renew(sent).await;
         }
         panic!("the agent never answered");
     }
@@ -108,11 +108,8 @@ pub async fn give_key(client: &kube::Client, device: &ResourceKey) {
 /// Options for an MQTT client playing `device` on the broker at `broker`:
 /// client id and user `<namespace>:<name>`, its [`test_key`] as password.
 pub fn mqtt_login(broker: SocketAddr, device: &ResourceKey) -> rumqttc::MqttOptions {
-    let name = credential::login_name(device);
-    let key = String::from_utf8(test_key(device).as_bytes().to_vec()).expect("hex digits");
-    let mut options = rumqttc::MqttOptions::new(&name, broker.ip().to_string(), broker.port());
-    options.set_credentials(name, key);
-    options
+    let host = broker.ip().to_string();
+    edgefleet_sim::mqtt::login(device, &test_key(device), &host, broker.port())
 }
 
 /// An MQTT client playing `device`, connected: it tries again while the

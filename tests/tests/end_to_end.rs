@@ -296,7 +296,7 @@ async fn a_device_report_over_coap_reaches_device_status_and_bad_input_is_refuse
     assert_eq!(
         metric(
             &metrics,
-            "edgefleet_agent_coap_dtls_total{event=\"established\"}"
+            "edgefleet_agent_coap_dtls_total{outcome=\"established\"}"
         ),
         1.0,
         "{metrics}"

@@ -11,7 +11,7 @@
 //! socket. Every call returns the datagrams to send, so the server sends
 //! them after releasing its lock.
 //!
-//! Bounds, each counted in `edgefleet_agent_coap_dtls_total{event}`:
+//! Bounds, each counted in `edgefleet_agent_coap_dtls_total{outcome}`:
 //! - at most `max_handshakes` handshakes at once (a ClientHello beyond is
 //!   dropped: `refused_busy`), each given `handshake_timeout`;
 //! - at most `max_sessions` sessions; a new one beyond evicts the least
@@ -19,6 +19,10 @@
 //! - a device whose key changes or goes loses its sessions at the next
 //!   [`Sessions::tick`] (`revoked`): the device must handshake again, with
 //!   the key it has now;
+//! - a protected record from an endpoint without a session (the agent
+//!   restarted and forgot it) is answered with an unprotected alert
+//!   ([`FORGOTTEN_SESSION_ALERT`]), which devices may take as a hint to
+//!   handshake again (`no_session`);
 //! - a ClientHello from an endpoint that has a session starts a second
 //!   handshake beside it (a device rebooted on the same port); the old
 //!   session is replaced only when the new handshake completes
@@ -36,6 +40,7 @@ use dimpl::crypto::Dtls12CipherSuite;
 use dimpl::{Config, Dtls, Output, PskResolver};
 use edgefleet_shared::ResourceKey;
 use edgefleet_shared::credential::{self, Psk};
+use edgefleet_shared::dtls::FORGOTTEN_SESSION_ALERT;
 use edgefleet_shared::telemetry::Outcomes;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
@@ -73,7 +78,8 @@ impl Default for DtlsSettings {
 /// The DTLS counters.
 #[derive(Debug, Default)]
 pub struct DtlsMetrics {
-    /// Session events: `established`, `handshake_failed`, `refused_busy`,
+    /// Session events: `established`, `handshake_failed`,
+    /// `handshake_restarted` (the device began a new one), `refused_busy`,
     /// `evicted`, `revoked`, `replaced`, `closed` (by the device), `failed`
     /// (a fatal error on an established session), `not_dtls` (a datagram
     /// that is no DTLS record), `no_session` (a datagram that is not a
@@ -117,6 +123,9 @@ impl PskResolver for KeyLookup {
 /// One DTLS session (or handshake) with an endpoint.
 struct Session {
     dtls: Dtls,
+    /// The random of the ClientHello that began it: the second
+    /// ClientHello (with the cookie) repeats it; a new handshake does not.
+    random: [u8; 32],
     lookup: Arc<KeyLookup>,
     /// Set when the handshake completed: the device, its key then, and a
     /// watch on that key.
@@ -135,9 +144,10 @@ struct Drained {
 }
 
 impl Session {
-    fn new(config: Arc<Config>, lookup: Arc<KeyLookup>, now: Instant) -> Session {
+    fn new(config: Arc<Config>, lookup: Arc<KeyLookup>, random: [u8; 32], now: Instant) -> Session {
         Session {
             dtls: Dtls::new_12_psk(config, now),
+            random,
             lookup,
             device: None,
             next_timeout: None,
@@ -212,10 +222,15 @@ fn record_header(datagram: &[u8]) -> Option<(u8, u16)> {
 
 const HANDSHAKE: u8 = 22;
 
-/// Whether `datagram` starts with a ClientHello (a handshake record of
-/// epoch 0 whose message type is 1).
-fn is_client_hello(datagram: &[u8]) -> bool {
-    record_header(datagram) == Some((HANDSHAKE, 0)) && datagram.get(13) == Some(&1)
+/// The random of the ClientHello `datagram` starts with (a handshake
+/// record of epoch 0 whose message type is 1, unfragmented or its first
+/// fragment).
+fn client_hello_random(datagram: &[u8]) -> Option<[u8; 32]> {
+    if record_header(datagram) != Some((HANDSHAKE, 0)) || datagram.get(13) != Some(&1) {
+        return None;
+    }
+    // Record header 13, handshake header 12, client_version 2.
+    datagram.get(27..59)?.try_into().ok()
 }
 
 impl Sessions {
@@ -289,15 +304,31 @@ impl Sessions {
         }
         let endpoints_before = self.endpoints.len();
         let device_before = self.device_of(peer).cloned();
-        let hello = is_client_hello(datagram);
+        let hello = client_hello_random(datagram);
+        if let (Some(random), Some(endpoint)) = (hello, self.endpoints.get_mut(&peer)) {
+            // A handshake the device gave up on (it began again, with a new
+            // random) is dropped; its second ClientHello, with the cookie,
+            // repeats the random and goes on with it.
+            let restarted = |s: &Session| s.device.is_none() && s.random != random;
+            if endpoint.pending.as_ref().is_some_and(restarted) {
+                endpoint.pending = None;
+                self.metrics.events.inc("handshake_restarted");
+            }
+            if endpoint.current.as_ref().is_some_and(restarted) {
+                endpoint.current = endpoint.pending.take();
+                self.metrics.events.inc("handshake_restarted");
+            }
+            if endpoint.current.is_none() {
+                self.endpoints.remove(&peer);
+            }
+        }
         let known = self.endpoints.contains_key(&peer);
-        // A ClientHello starts a handshake unless one is under way (its
-        // second ClientHello, with the cookie, belongs to it): beside the
-        // endpoint's session, if it has one.
+        // A ClientHello starts a handshake unless one is under way: beside
+        // the endpoint's session, if it has one.
         let under_way = self.endpoints.get(&peer).is_some_and(|e| {
             e.pending.is_some() || e.current.as_ref().is_some_and(|s| s.device.is_none())
         });
-        if hello && !under_way {
+        if let Some(random) = hello.filter(|_| !under_way) {
             if self.handshakes() >= self.settings.max_handshakes {
                 self.metrics.events.inc("refused_busy");
                 return received;
@@ -306,7 +337,7 @@ impl Sessions {
                 store: AssertUnwindSafe(self.store.clone()),
                 given: Mutex::new(None),
             });
-            let session = Session::new(self.config(Arc::clone(&lookup)), lookup, now);
+            let session = Session::new(self.config(Arc::clone(&lookup)), lookup, random, now);
             let endpoint = self.endpoints.entry(peer).or_default();
             match endpoint.current {
                 Some(_) => endpoint.pending = Some(session),
@@ -314,6 +345,16 @@ impl Sessions {
             }
         } else if !known {
             self.metrics.events.inc("no_session");
+            // A protected record from an endpoint without a session: most
+            // likely a device whose session this agent forgot (it
+            // restarted). An unprotected alert tells it to handshake again
+            // at once instead of after its next request times out. It is no
+            // bigger than the record (no amplification), and it cannot end
+            // a session: a device takes it only as a hint to begin a new
+            // one.
+            if record_header(datagram).is_some_and(|(_, epoch)| epoch > 0) {
+                received.send.push(FORGOTTEN_SESSION_ALERT.to_vec());
+            }
             return received;
         }
         let epoch0 = record_header(datagram).is_some_and(|(_, epoch)| epoch == 0);
@@ -652,6 +693,24 @@ mod tests {
         assert_eq!(metrics.events.get("failed"), 0);
         assert_eq!(metrics.events.get("replaced"), 0);
         assert_eq!(sessions.len(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_device_that_begins_its_handshake_again_is_not_held_up_by_the_first() {
+        let (mut sessions, metrics, _dir) = sessions(DtlsSettings::default()).await;
+        // The first ClientHello reaches the agent; the device gives up on
+        // it (its answer was lost) and begins again with a new engine.
+        let mut given_up = client("plant:t1", KEY);
+        given_up.handle_timeout(Instant::now()).unwrap();
+        let hello = output(&mut given_up).0.remove(0);
+        sessions.receive(peer(1), &hello, Instant::now());
+
+        let mut again = client("plant:t1", KEY);
+        handshake(&mut sessions, peer(1), &mut again);
+        assert_eq!(metrics.events.get("handshake_restarted"), 1);
+        assert_eq!(metrics.events.get("established"), 1);
+        let received = send(&mut sessions, peer(1), &mut again, b"report");
+        assert_eq!(received.messages, vec![b"report".to_vec()]);
     }
 
     #[tokio::test]
