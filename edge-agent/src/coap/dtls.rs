@@ -348,10 +348,11 @@ impl Sessions {
             // A protected record from an endpoint without a session: most
             // likely a device whose session this agent forgot (it
             // restarted). An unprotected alert tells it to handshake again
-            // at once instead of after its next request times out. It is no
-            // bigger than the record (no amplification), and it cannot end
-            // a session: a device takes it only as a hint to begin a new
-            // one.
+            // at once instead of after its next request times out. It is 15
+            // bytes, at most 2 more than the smallest record (13, header
+            // only; answering only records of 15 bytes or more is still to
+            // do), and it cannot end a session: a device takes it only as a
+            // hint to begin a new one.
             if record_header(datagram).is_some_and(|(_, epoch)| epoch > 0) {
                 received.send.push(FORGOTTEN_SESSION_ALERT.to_vec());
             }
