@@ -289,6 +289,27 @@ impl Shared {
         }
     }
 
+    /// Sends `response` to `peer`, and remembers it as the answer to a
+    /// confirmable request, so a retransmission gets it again.
+    async fn answer(
+        &self,
+        response: &Packet,
+        peer: SocketAddr,
+        message_id: u16,
+        confirmable: bool,
+    ) {
+        let Ok(bytes) = response.to_bytes() else {
+            return;
+        };
+        if confirmable {
+            self.exchanges
+                .lock()
+                .expect("exchanges")
+                .answer(peer, message_id, bytes.clone());
+        }
+        self.send_to(&bytes, peer).await;
+    }
+
     async fn send_datagram(&self, datagram: &[u8], peer: SocketAddr) {
         if let Err(error) = self.socket.send_to(datagram, peer).await {
             tracing::debug!(%peer, %error, "could not send a datagram");
@@ -465,16 +486,9 @@ async fn on_message(
         shared.metrics.requests.inc("overloaded");
         let mut response = reply(&packet, ResponseType::ServiceUnavailable);
         response.add_option(CoapOption::MaxAge, vec![1]);
-        if let Ok(bytes) = response.to_bytes() {
-            if confirmable {
-                shared
-                    .exchanges
-                    .lock()
-                    .expect("exchanges")
-                    .answer(peer, message_id, bytes.clone());
-            }
-            shared.send_to(&bytes, peer).await;
-        }
+        shared
+            .answer(&response, peer, message_id, confirmable)
+            .await;
         return;
     };
     let shared = Arc::clone(shared);
@@ -485,17 +499,9 @@ async fn on_message(
         // device that sends its next request on the answer finds it.
         drop(permit);
         shared.metrics.requests.inc(outcome);
-        let Ok(bytes) = response.to_bytes() else {
-            return;
-        };
-        if confirmable {
-            shared
-                .exchanges
-                .lock()
-                .expect("exchanges")
-                .answer(peer, message_id, bytes.clone());
-        }
-        shared.send_to(&bytes, peer).await;
+        shared
+            .answer(&response, peer, message_id, confirmable)
+            .await;
     });
 }
 
