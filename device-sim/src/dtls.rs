@@ -1,5 +1,5 @@
 //! A device's side of CoAP over DTLS 1.2 with its pre-shared key
-//! (`TLS_PSK_WITH_AES_128_CCM_8`, PSK identity `<namespace>:<name>`).
+//! (`TLS_PSK_WITH_AES_128_CCM_8`, PSK identity `<name>@<namespace>`).
 //!
 //! A [`DtlsLink`] owns a connected UDP socket and a task that drives the
 //! sans-IO engine ([`dimpl`]): CoAP messages given to [`DtlsLink::send`]

@@ -1,7 +1,7 @@
 //! Each device's MQTT session.
 //!
 //! Every device has a connection of its own, logged in as itself (client
-//! id and user `<namespace>:<name>`, its key as password), as a site whose
+//! id and user `<name>@<namespace>`, its key as password), as a site whose
 //! broker checks device logins and topics requires. The session subscribes
 //! to the device's retained desired topic (QoS 1), and for an MQTT device
 //! to its event-ack topic, and hands each message to the device through a
@@ -70,7 +70,7 @@ pub fn connect(device: &ResourceKey, key: &Psk, host: &str, port: u16) -> (Async
 }
 
 /// The MQTT options of `device` logging in with `key` at `host:port`:
-/// client id and user `<namespace>:<name>`, the key as password.
+/// client id and user `<name>@<namespace>`, the key as password.
 pub fn login(device: &ResourceKey, key: &Psk, host: &str, port: u16) -> MqttOptions {
     let name = credential::login_name(device);
     let mut options = MqttOptions::new(&name, host, port);

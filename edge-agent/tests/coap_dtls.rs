@@ -228,7 +228,7 @@ async fn next(link: &DtlsLink) -> Packet {
 async fn observe_notifications_travel_in_the_session() {
     let agent = agent().await;
     let socket = connected_socket(agent.addr).await.unwrap();
-    let link = DtlsLink::start(socket, "plant:t1", T1_KEY.as_bytes());
+    let link = DtlsLink::start(socket, "t1@plant", T1_KEY.as_bytes());
 
     link.send(&observe_desired("t1").to_bytes().unwrap())
         .await
@@ -301,7 +301,7 @@ async fn a_foreign_client_interoperates(flavour: &str) {
 
     // Its own report: stored.
     let own = url("t1", "report");
-    let post = ["-m", "post", "-t", "60", "-f", report, "-u", "plant:t1"];
+    let post = ["-m", "post", "-t", "60", "-f", report, "-u", "t1@plant"];
     let args = [&post[..], &["-k", T1_KEY, own.as_str()]].concat();
     coap_client(flavour, &args).await;
     let stored = agent.store.latest_report(&key("t1")).unwrap();
@@ -315,7 +315,7 @@ async fn a_foreign_client_interoperates(flavour: &str) {
     let desired = url("t1", "desired");
     let received = dir.path().join("desired.cbor");
     let received_at = received.to_str().unwrap();
-    let get = ["-o", received_at, "-u", "plant:t1", "-k", T1_KEY, &desired];
+    let get = ["-o", received_at, "-u", "t1@plant", "-k", T1_KEY, &desired];
     coap_client(flavour, &get).await;
     let state: codec::DesiredState = codec::decode(&std::fs::read(&received).unwrap()).unwrap();
     assert_eq!(state.generation, 1);

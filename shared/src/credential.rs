@@ -84,16 +84,19 @@ pub fn version(secret_uid: &str, psk: &Psk) -> ResourceVersion {
     ResourceVersion::new(secret_uid, psk.digest())
 }
 
-/// The MQTT user name and client id of `device`: `<namespace>:<name>`.
-/// Not `/`, which some brokers (rumqttd) refuse in client ids.
+/// The login name of `device`, `<name>@<namespace>`: its MQTT user name
+/// and client id, and its DTLS PSK identity. Neither part of it may hold an
+/// `@`, so the split is unambiguous. Not `/`, which some brokers (rumqttd)
+/// refuse in client ids, nor `:`, which Mosquitto's password file cannot
+/// hold in a user name.
 pub fn login_name(device: &ResourceKey) -> String {
-    format!("{}:{}", device.namespace, device.name)
+    format!("{}@{}", device.name, device.namespace)
 }
 
-/// The Device a login names, from its user name `<namespace>:<name>`:
+/// The Device a login names, from its login name `<name>@<namespace>`:
 /// both parts Kubernetes names (lowercase letters, digits, `-` and `.`).
 pub fn device_of_login(login: &str) -> Option<ResourceKey> {
-    let (namespace, name) = login.split_once(':')?;
+    let (name, namespace) = login.split_once('@')?;
     let label = |s: &str| {
         !s.is_empty()
             && s.len() <= 253

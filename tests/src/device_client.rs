@@ -106,7 +106,7 @@ pub async fn give_key(client: &kube::Client, device: &ResourceKey) {
 }
 
 /// Options for an MQTT client playing `device` on the broker at `broker`:
-/// client id and user `<namespace>:<name>`, its [`test_key`] as password.
+/// client id and user `<name>@<namespace>`, its [`test_key`] as password.
 pub fn mqtt_login(broker: SocketAddr, device: &ResourceKey) -> rumqttc::MqttOptions {
     let host = broker.ip().to_string();
     edgefleet_sim::mqtt::login(device, &test_key(device), &host, broker.port())

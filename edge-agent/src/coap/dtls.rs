@@ -1,7 +1,7 @@
 //! CoAP over DTLS 1.2 with pre-shared keys (RFC 7252 §9.1.3.1), the
 //! agent's side: one UDP socket, a DTLS session per device endpoint.
 //!
-//! The PSK identity is the device's login name `<namespace>:<name>` (as on
+//! The PSK identity is the device's login name `<name>@<namespace>` (as on
 //! MQTT) and its key is the device's key from the store, delivered by the
 //! cloud over the sync link. Only `TLS_PSK_WITH_AES_128_CCM_8` is offered.
 //! A session's identity is its device: [`Sessions::device_of`] gives it to
@@ -349,11 +349,12 @@ impl Sessions {
             // likely a device whose session this agent forgot (it
             // restarted). An unprotected alert tells it to handshake again
             // at once instead of after its next request times out. It is 15
-            // bytes, at most 2 more than the smallest record (13, header
-            // only; answering only records of 15 bytes or more is still to
-            // do), and it cannot end a session: a device takes it only as a
-            // hint to begin a new one.
-            if record_header(datagram).is_some_and(|(_, epoch)| epoch > 0) {
+            // bytes and answers only records at least as long, so it
+            // reflects nothing larger than what came; and it cannot end a
+            // session: a device takes it only as a hint to begin a new one.
+            if datagram.len() >= FORGOTTEN_SESSION_ALERT.len()
+                && record_header(datagram).is_some_and(|(_, epoch)| epoch > 0)
+            {
                 received.send.push(FORGOTTEN_SESSION_ALERT.to_vec());
             }
             return received;
@@ -667,7 +668,7 @@ mod tests {
     #[tokio::test]
     async fn forged_records_and_hellos_from_a_devices_address_leave_its_session_working() {
         let (mut sessions, metrics, _dir) = sessions(DtlsSettings::default()).await;
-        let mut device = client("plant:t1", KEY);
+        let mut device = client("t1@plant", KEY);
         handshake(&mut sessions, peer(1), &mut device);
         let t1 = ResourceKey::device("plant", "t1");
         assert_eq!(sessions.device_of(peer(1)), Some(&t1));
@@ -682,7 +683,7 @@ mod tests {
                 .messages
                 .is_empty()
         );
-        let mut impostor = client("plant:t1", b"not-the-key-0123456789");
+        let mut impostor = client("t1@plant", b"not-the-key-0123456789");
         impostor.handle_timeout(Instant::now()).unwrap();
         for hello in output(&mut impostor).0 {
             sessions.receive(peer(1), &hello, Instant::now());
@@ -697,16 +698,37 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_forgotten_session_is_told_with_an_alert_no_larger_than_its_record() {
+        let (mut sessions, metrics, _dir) = sessions(DtlsSettings::default()).await;
+        let record = |len: usize| {
+            let mut r = vec![23, 0xfe, 0xfd, 0, 1, 0, 0, 0, 0, 0, 9];
+            r.extend(u16::try_from(len - 13).unwrap().to_be_bytes());
+            r.resize(len, 0x55);
+            r
+        };
+        for len in [13, 14] {
+            let answer = sessions.receive(peer(7), &record(len), Instant::now());
+            assert!(answer.send.is_empty(), "a {len}-byte record gets nothing");
+        }
+        for len in [15, 40] {
+            let answer = sessions.receive(peer(7), &record(len), Instant::now());
+            assert_eq!(answer.send, vec![FORGOTTEN_SESSION_ALERT.to_vec()], "{len}");
+        }
+        assert_eq!(metrics.events.get("no_session"), 4);
+        assert_eq!(sessions.len(), 0, "and no session is made of it");
+    }
+
+    #[tokio::test]
     async fn a_device_that_begins_its_handshake_again_is_not_held_up_by_the_first() {
         let (mut sessions, metrics, _dir) = sessions(DtlsSettings::default()).await;
         // The first ClientHello reaches the agent; the device gives up on
         // it (its answer was lost) and begins again with a new engine.
-        let mut given_up = client("plant:t1", KEY);
+        let mut given_up = client("t1@plant", KEY);
         given_up.handle_timeout(Instant::now()).unwrap();
         let hello = output(&mut given_up).0.remove(0);
         sessions.receive(peer(1), &hello, Instant::now());
 
-        let mut again = client("plant:t1", KEY);
+        let mut again = client("t1@plant", KEY);
         handshake(&mut sessions, peer(1), &mut again);
         assert_eq!(metrics.events.get("handshake_restarted"), 1);
         assert_eq!(metrics.events.get("established"), 1);
@@ -724,11 +746,11 @@ mod tests {
         let (mut sessions, metrics, _dir) = sessions(settings_again()).await;
 
         // One handshake under way: a second ClientHello is dropped.
-        let mut first = client("plant:t1", KEY);
+        let mut first = client("t1@plant", KEY);
         first.handle_timeout(Instant::now()).unwrap();
         let hello = output(&mut first).0.remove(0);
         sessions.receive(peer(1), &hello, Instant::now());
-        let mut second = client("plant:t1", KEY);
+        let mut second = client("t1@plant", KEY);
         second.handle_timeout(Instant::now()).unwrap();
         let hello = output(&mut second).0.remove(0);
         assert!(
@@ -741,7 +763,7 @@ mod tests {
 
         // Three devices one after the other: the least recently heard goes.
         let (mut sessions, metrics, _dir) = self::sessions(settings_again()).await;
-        let mut devices: Vec<_> = (10..13).map(|_| client("plant:t1", KEY)).collect();
+        let mut devices: Vec<_> = (10..13).map(|_| client("t1@plant", KEY)).collect();
         handshake(&mut sessions, peer(10), &mut devices[0]);
         handshake(&mut sessions, peer(11), &mut devices[1]);
         send(&mut sessions, peer(10), &mut devices[0], b"heard");

@@ -2,12 +2,12 @@
 //! front of the embedded broker applies to each device's packets (see
 //! [`super::guard`]).
 //!
-//! A device logs in with its Device's `<namespace>:<name>` as both client
-//! id and user name (not `/`: brokers refuse it in client ids; a namespace
-//! has no `:`, nor has a name, so the split is unambiguous), and its key (see [`edgefleet_shared::credential`]) as
-//! password. Once in, it may publish only its own `report` and `event`
-//! topics, never retained, and subscribe only to its own `desired` and
-//! `event-ack` topics (no wildcards). Everything else is refused. Only the
+//! A device logs in with its Device's login name `<name>@<namespace>` as
+//! both client id and user name (see
+//! [`edgefleet_shared::credential::login_name`]), and its key as password.
+//! Once in, it may publish only its own `report` and `event` topics, never
+//! retained, and subscribe only to its own `desired` and `event-ack` topics
+//! (no wildcards). Everything else is refused. Only the
 //! agent, which reaches the broker without the guard, publishes `desired`.
 
 use edgefleet_shared::credential::{self, Psk};
@@ -17,8 +17,8 @@ use rumqttc::{ConnectReturnCode, LastWill, Login};
 /// Why a connection or a packet is refused; also the counter's label.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum Refusal {
-    /// No user name, or one that is not `<namespace>:<name>`.
-    #[error("the user name must be the Device's <namespace>:<name>")]
+    /// No user name, or one that is not `<name>@<namespace>`.
+    #[error("the user name must be the Device's <name>@<namespace>")]
     BadUserName,
     /// The client id is not the user name.
     #[error("the client id must be the user name")]
@@ -150,19 +150,19 @@ mod tests {
     }
 
     fn t1() -> Identity {
-        log_in("plant:t1", "plant:t1", KEY).unwrap()
+        log_in("t1@plant", "t1@plant", KEY).unwrap()
     }
 
     #[test]
     fn a_device_logs_in_with_its_name_and_key_only() {
         assert_eq!(t1().device, ResourceKey::device("plant", "t1"));
         assert_eq!(
-            log_in("plant:t1", "plant:t1", b"0123456789abcdeX"),
+            log_in("t1@plant", "t1@plant", b"0123456789abcdeX"),
             Err(Refusal::WrongKey)
         );
-        assert_eq!(log_in("plant:t2", "plant:t2", KEY), Err(Refusal::NoKey));
+        assert_eq!(log_in("t2@plant", "t2@plant", KEY), Err(Refusal::NoKey));
         assert_eq!(
-            log_in("edgefleet-agent-edge-1", "plant:t1", KEY),
+            log_in("edgefleet-agent-edge-1", "t1@plant", KEY),
             Err(Refusal::ClientIdNotUserName)
         );
         for user in [
@@ -174,6 +174,11 @@ mod tests {
             "plant/t1/x",
             "plant/+",
             "plant/#",
+            "plant:t1",
+            "t1@",
+            "@plant",
+            "T1@plant",
+            "t1@plant@x",
         ] {
             assert_eq!(
                 log_in(user, user, KEY),
@@ -182,7 +187,7 @@ mod tests {
             );
         }
         assert_eq!(
-            super::login("edge-1", "plant:t1", None, None, key_of),
+            super::login("edge-1", "t1@plant", None, None, key_of),
             Err(Refusal::BadUserName)
         );
     }
@@ -239,12 +244,12 @@ mod tests {
 
     #[test]
     fn a_will_must_be_a_publish_the_device_may_make() {
-        let login = Login::new("plant:t1", String::from_utf8_lossy(KEY));
+        let login = Login::new("t1@plant", String::from_utf8_lossy(KEY));
         let mine = ResourceKey::device("plant", "t1");
         let will =
             |topic: String, retain| LastWill::new(topic, "gone", rumqttc::QoS::AtLeastOnce, retain);
         let judge =
-            |w: &LastWill| super::login("edge-1", "plant:t1", Some(&login), Some(w), key_of);
+            |w: &LastWill| super::login("edge-1", "t1@plant", Some(&login), Some(w), key_of);
         assert!(judge(&will(topics::event("edge-1", &mine), false)).is_ok());
         assert_eq!(
             judge(&will(topics::desired("edge-1", &mine), true)),
