@@ -74,7 +74,7 @@ struct Cli {
     /// Serve plain CoAP: anyone on the network may send reports and events
     /// for any device of the node and read its desired state (labs only).
     /// Without it, devices use CoAP over DTLS with their own key (PSK
-    /// identity `<namespace>:<name>`) and may act only for themselves.
+    /// identity `<name>@<namespace>`) and may act only for themselves.
     #[arg(long, env = "EDGEFLEET_INSECURE_COAP_PLAIN")]
     insecure_coap_plain: bool,
     /// At most this many DTLS sessions; a new one beyond ends the least
@@ -114,6 +114,32 @@ struct Cli {
         conflicts_with = "mqtt_url"
     )]
     insecure_mqtt_anonymous_devices: bool,
+    /// With --mqtt-url, a Mosquitto: the directory where the agent keeps
+    /// Mosquitto's password file (`passwd`) and ACL file (`acl`) equal to
+    /// the device keys it holds, each device limited to its own topics; the
+    /// agent logs in with a password of its own made at start. Mosquitto
+    /// reads them (`password_file`, `acl_file`, with `allow_anonymous
+    /// false` and `use_username_as_clientid true`) and is sent SIGHUP on
+    /// each change. Without it, logins and topic rules are the external
+    /// broker's business.
+    #[arg(long, env = "EDGEFLEET_MOSQUITTO_AUTH_DIR", requires_all = ["mqtt_url", "mosquitto_pid_file"])]
+    mosquitto_auth_dir: Option<PathBuf>,
+    /// The file holding Mosquitto's process id (it is sent SIGHUP when the
+    /// files of --mosquitto-auth-dir change).
+    #[arg(
+        long,
+        env = "EDGEFLEET_MOSQUITTO_PID_FILE",
+        requires = "mosquitto_auth_dir"
+    )]
+    mosquitto_pid_file: Option<PathBuf>,
+    /// The group (numeric id) given the files of --mosquitto-auth-dir
+    /// (mode 0640), for a Mosquitto that runs as another user.
+    #[arg(
+        long,
+        env = "EDGEFLEET_MOSQUITTO_FILES_GID",
+        requires = "mosquitto_auth_dir"
+    )]
+    mosquitto_files_gid: Option<u32>,
     /// At most this many device events wait in the outbox for the cloud.
     /// At the bound the oldest event is dropped for the new one; drops are
     /// counted (`edgefleet_agent_events_dropped_total`) and reported to the
@@ -236,7 +262,29 @@ async fn main() -> anyhow::Result<()> {
         "Retained desired states cleared for deleted devices",
         mqtt_metrics.desired_cleared.clone(),
     );
-    let (broker, guarded) = broker_address(&cli)?;
+    let (mut broker, guarded) = broker_address(&cli)?;
+    let mosquitto_files = Arc::new(edgefleet_shared::telemetry::Outcomes::default());
+    mosquitto_files.register(
+        &mut registry,
+        "mqtt_mosquitto_files",
+        "Rewrites of Mosquitto's password and ACL files by outcome (written, write_failed, reload_failed)",
+    );
+    let files = match (&cli.mosquitto_auth_dir, &cli.mosquitto_pid_file) {
+        (Some(dir), Some(pid_file)) => {
+            let files =
+                mqtt::mosquitto::AuthFiles::new(&cli.node, dir, pid_file, cli.mosquitto_files_gid);
+            broker.login = Some(files.agent_login());
+            tracing::info!(dir = %dir.display(), "Mosquitto's password and ACL files kept by the agent");
+            Some(files)
+        }
+        _ => None,
+    };
+    let mosquitto = async {
+        match files {
+            Some(files) => mqtt::mosquitto::run(files, store.clone(), mosquitto_files).await,
+            None => std::future::pending().await,
+        }
+    };
     let guard_metrics = Arc::new(mqtt::guard::GuardMetrics::default());
     guard_metrics.logins.register(
         &mut registry,
@@ -408,6 +456,7 @@ async fn main() -> anyhow::Result<()> {
         () = mqtt::run(broker, cli.node.clone(), store.clone(), mqtt_metrics, mqtt_check) => {}
         () = gauges => {}
         () = guard => {}
+        () = mosquitto => {}
         () = edgefleet_agent::site_rollback::run(store.clone(), site_rollbacks) => {}
         () = edgefleet_agent::site_pacing::run(store.clone(), pacing) => {}
         () = edgefleet_agent::rules::run(store.clone(), rule_metrics) => {}

@@ -15,6 +15,7 @@
 pub mod acl;
 pub mod broker;
 pub mod guard;
+pub mod mosquitto;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -326,6 +327,12 @@ fn write(
     uplink: Option<&(ResourceKey, topics::Uplink)>,
     publish: &Publish,
 ) -> Result<Stored, Refusal> {
+    // Delivered retained: an old message the broker kept (a device left it
+    // on its own topic, which an external broker's ACL cannot forbid), not
+    // one sent now.
+    if publish.retain {
+        return Err(Refusal::Retained);
+    }
     match uplink {
         Some((key, topics::Uplink::Event)) => {
             let (outcome, ack) = write_event(store, batch, key, publish)?;
@@ -357,6 +364,7 @@ fn outcomes<'m>(
 #[derive(Debug)]
 enum Refusal {
     NotAReport,
+    Retained,
     UnknownDevice,
     Codec(CodecError),
     Store(StoreError),
@@ -366,6 +374,7 @@ impl Refusal {
     fn label(&self) -> &'static str {
         match self {
             Refusal::NotAReport => "not_a_report_topic",
+            Refusal::Retained => "retained",
             Refusal::UnknownDevice => "unknown_device",
             Refusal::Codec(error) => error.metric_label(),
             Refusal::Store(_) => "store_error",

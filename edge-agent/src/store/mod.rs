@@ -690,6 +690,8 @@ pub struct Store {
     // goes. Only devices someone watches (a logged-in MQTT connection) have
     // an entry, and only a changed key's watchers are told.
     credential_watchers: Arc<Mutex<HashMap<ResourceKey, tokio::sync::watch::Sender<()>>>>,
+    // Told when any device's key arrives, changes or goes.
+    any_credential: Arc<tokio::sync::watch::Sender<()>>,
     flusher: GroupFlush,
     db: sled::Db,
     desired: sled::Tree,
@@ -1030,6 +1032,7 @@ impl Store {
             reports: broadcast::Sender::new(DESIRED_CHANGES_BUFFER),
             rules_changed: Arc::new(Notify::new()),
             credential_watchers: Arc::default(),
+            any_credential: Arc::new(tokio::sync::watch::Sender::new(())),
             flusher: GroupFlush::start(db.clone(), seqs, files),
             desired: tree("desired")?,
             rules: tree("rules")?,
@@ -1294,14 +1297,37 @@ impl Store {
             .subscribe()
     }
 
+    /// Changes whenever any device's key arrives, changes or goes.
+    pub fn any_credential_watch(&self) -> tokio::sync::watch::Receiver<()> {
+        self.any_credential.subscribe()
+    }
+
+    /// Every device key the agent holds, by Device, in key order.
+    pub fn credentials(&self) -> Result<Vec<(ResourceKey, Psk)>, StoreError> {
+        self.credentials
+            .iter()
+            .map(|item| {
+                let (k, v) = item?;
+                let key = parse_key(&k)?;
+                let psk = HeldCredential::decode(&k, &v)?.psk;
+                Ok((ResourceKey::device(&key.namespace, &key.name), psk))
+            })
+            .collect()
+    }
+
     /// Tells the watchers of each of `keys` (credential keys).
     fn credentials_changed<'k>(&self, keys: impl IntoIterator<Item = &'k ResourceKey>) {
         let mut watchers = self.credential_watchers.lock().expect("watchers lock");
+        let mut any = false;
         for key in keys {
+            any = true;
             // Nobody left watching (the connections ended): forget it.
             if watchers.get(key).is_some_and(|tx| tx.send(()).is_err()) {
                 watchers.remove(key);
             }
+        }
+        if any {
+            self.any_credential.send_replace(());
         }
     }
 
