@@ -408,12 +408,12 @@ async fn a_revoked_key_cuts_the_devices_connection_and_keeps_it_out() {
 /// The numeric id of the group `mosquitto`, which Debian's Mosquitto runs
 /// as after it starts as root: the agent gives its files to that group.
 fn mosquitto_group() -> u32 {
-    let groups = std::fs::read_to_string("/etc/group").unwrap();
-    groups
-        .lines()
-        .find_map(|line| line.strip_prefix("mosquitto:x:"))
-        .and_then(|rest| rest.split(':').next()?.parse().ok())
+    nix::unistd::Group::from_name("mosquitto")
+        .ok()
+        .flatten()
         .expect("a group `mosquitto` (Debian's package `mosquitto`; .ci/run installs it)")
+        .gid
+        .as_raw()
 }
 
 impl Site {

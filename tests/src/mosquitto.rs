@@ -1,5 +1,7 @@
 //! Debian's Mosquitto on a loopback port, for the tests that need an
-//! external MQTT broker; killed when dropped.
+//! external MQTT broker; killed when dropped. Open to anyone, or with the
+//! device logins and ACLs of the files an agent keeps
+//! ([`Mosquitto::start_authenticated`]).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -15,6 +17,9 @@ pub struct Mosquitto {
     pub addr: SocketAddr,
     conf: PathBuf,
     process: Option<Process>,
+    /// With logins: the directory of the agent's files, and the file the
+    /// process id goes to (for the agent's SIGHUP).
+    auth: Option<(PathBuf, PathBuf)>,
 }
 
 impl Mosquitto {
@@ -27,12 +32,39 @@ impl Mosquitto {
 
     /// [`Mosquitto::start`] with more lines of configuration.
     pub fn start_with(dir: &Path, extra_conf: &str) -> Mosquitto {
+        Mosquitto::start_conf(dir, "allow_anonymous true\n", extra_conf, None)
+    }
+
+    /// Mosquitto with device logins: it reads the password and ACL files
+    /// an agent keeps when started with [`Mosquitto::agent_args`]. Until
+    /// the agent writes them they are empty, and nobody gets in.
+    pub fn start_authenticated(dir: &Path) -> Mosquitto {
+        let auth = dir.join("auth");
+        std::fs::create_dir_all(&auth).expect("create the auth directory");
+        for file in ["passwd", "acl"] {
+            std::fs::write(auth.join(file), "").expect("create an empty auth file");
+        }
+        let logins = format!(
+            "allow_anonymous false\nuse_username_as_clientid true\n\
+             password_file {0}/passwd\nacl_file {0}/acl\n",
+            auth.display()
+        );
+        let pid_file = dir.join("mosquitto.pid");
+        Mosquitto::start_conf(dir, &logins, "", Some((auth, pid_file)))
+    }
+
+    fn start_conf(
+        dir: &Path,
+        logins: &str,
+        extra_conf: &str,
+        auth: Option<(PathBuf, PathBuf)>,
+    ) -> Mosquitto {
         let addr = free_tcp_addr();
         let conf = dir.join("mosquitto.conf");
         std::fs::write(
             &conf,
             format!(
-                "listener {} {}\nallow_anonymous true\npersistence false\n{extra_conf}",
+                "listener {} {}\n{logins}persistence false\n{extra_conf}",
                 addr.port(),
                 addr.ip()
             ),
@@ -42,9 +74,27 @@ impl Mosquitto {
             addr,
             conf,
             process: None,
+            auth,
         };
         mosquitto.restart();
         mosquitto
+    }
+
+    /// The agent's flags that make it keep this Mosquitto's files (none
+    /// when it is open to anyone).
+    pub fn agent_args(&self) -> Vec<String> {
+        let Some((dir, pid_file)) = &self.auth else {
+            return Vec::new();
+        };
+        let group = nix::unistd::Group::from_name("mosquitto")
+            .ok()
+            .flatten()
+            .expect("a group `mosquitto` (Debian's package `mosquitto`; .ci/run installs it)");
+        vec![
+            format!("--mosquitto-auth-dir={}", dir.display()),
+            format!("--mosquitto-pid-file={}", pid_file.display()),
+            format!("--mosquitto-files-gid={}", group.gid),
+        ]
     }
 
     /// Kills it with SIGKILL.
@@ -60,10 +110,11 @@ impl Mosquitto {
             .into_iter()
             .find(|p| Path::new(p).exists())
             .expect("mosquitto is installed (Debian package `mosquitto`; .ci/run installs it)");
-        self.process = Some(Process::start_path(
-            program,
-            &["-c".into(), self.conf.display().to_string()],
-        ));
+        let process = Process::start_path(program, &["-c".into(), self.conf.display().to_string()]);
+        if let Some((_, pid_file)) = &self.auth {
+            std::fs::write(pid_file, process.pid().to_string()).expect("write the pid file");
+        }
+        self.process = Some(process);
     }
 
     /// Waits until it accepts connections.

@@ -155,6 +155,11 @@ impl Process {
         false
     }
 
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// The resident memory of the process in bytes (Linux `VmRSS`).
     pub fn rss_bytes(&self) -> Option<u64> {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).ok()?;

@@ -25,14 +25,15 @@ use kube::api::PostParams;
 enum Broker {
     /// The agent's embedded rumqttd, on this port.
     Embedded(SocketAddr),
-    /// An external broker (Mosquitto) the test started.
-    External(SocketAddr),
+    /// An external broker (Mosquitto) the test started, and the agent's
+    /// flags for it.
+    External(SocketAddr, Vec<String>),
 }
 
 impl Broker {
     fn addr(&self) -> SocketAddr {
         match self {
-            Broker::Embedded(a) | Broker::External(a) => *a,
+            Broker::Embedded(a) | Broker::External(a, _) => *a,
         }
     }
 }
@@ -81,8 +82,12 @@ impl Site {
 
         let (coap, agent_metrics) = (free_udp_addr(), free_tcp_addr());
         let mqtt = match &broker {
-            Broker::Embedded(listen) => format!("--mqtt-listen={listen}"),
-            Broker::External(addr) => format!("--mqtt-url=mqtt://{addr}"),
+            Broker::Embedded(listen) => vec![format!("--mqtt-listen={listen}")],
+            Broker::External(addr, args) => {
+                let mut mqtt = vec![format!("--mqtt-url=mqtt://{addr}")];
+                mqtt.extend(args.iter().cloned());
+                mqtt
+            }
         };
         let token_file = data.path().join("token");
         AgentPod::on(&client, &ns, &node)
@@ -97,8 +102,8 @@ impl Site {
             format!("--data-dir={}", data.path().display()),
             format!("--coap-bind={coap}"),
             format!("--metrics-addr={agent_metrics}"),
-            mqtt,
         ]);
+        agent_args.extend(mqtt);
         let agent = Process::start("edgefleet-agent", &agent_args, &[]);
         eventually("the agent is up", || async {
             matches!(http_get(agent_metrics, "/healthz").await, Ok((200, _))).then_some(())
@@ -331,10 +336,15 @@ async fn a_device_report_over_coap_reaches_device_status_and_bad_input_is_refuse
 #[tokio::test]
 async fn with_mosquitto_an_mqtt_device_gets_desired_state_and_its_reports_reach_status() {
     let broker_dir = tempfile::tempdir().unwrap();
-    let mosquitto = Mosquitto::start(broker_dir.path());
+    // With the logins and ACLs of the files the agent keeps.
+    let mosquitto = Mosquitto::start_authenticated(broker_dir.path());
     mosquitto.wait_listening().await;
     let broker = mosquitto.addr;
-    let site = Site::start("e2e-mosquitto", Broker::External(broker)).await;
+    let site = Site::start(
+        "e2e-mosquitto",
+        Broker::External(broker, mosquitto.agent_args()),
+    )
+    .await;
     let devices = site.devices();
     let key = ResourceKey::device(&site.ns, "m1");
     site.create("m1", Transport::Mqtt).await;
@@ -372,6 +382,24 @@ async fn with_mosquitto_an_mqtt_device_gets_desired_state_and_its_reports_reach_
     };
     assert_eq!(status.reported, report.properties);
     assert_eq!(status.firmware_version.as_deref(), Some("2.0.1"));
+
+    // Mosquitto takes only the logins the agent wrote into its files: the
+    // agent's own and m1's key (written at start and when m1's key came).
+    let wrong = edgefleet_shared::credential::Psk::new(b"not-m1s-key-0123456789".to_vec()).unwrap();
+    let host = broker.ip().to_string();
+    let options = edgefleet_sim::mqtt::login(&key, &wrong, &host, broker.port());
+    let (_client, mut refused) = rumqttc::AsyncClient::new(options, 8);
+    let answer = refused.poll().await;
+    assert!(
+        matches!(answer, Err(rumqttc::ConnectionError::ConnectionRefused(_))),
+        "a wrong key: {answer:?}"
+    );
+    let (_, metrics) = http_get(site.agent_metrics, "/metrics").await.unwrap();
+    let written = metric(
+        &metrics,
+        "edgefleet_agent_mqtt_mosquitto_files_total{outcome=\"written\"}",
+    );
+    assert!(written >= 2.0, "{metrics}");
 
     // A spec change reaches the device as generation 2.
     let patch = serde_json::json!({ "spec": { "desired": { "setpoint": 17.5 } } });

@@ -104,10 +104,26 @@ impl DtlsMetrics {
 
 /// Looks a device's key up by its PSK identity, and remembers which device
 /// it gave a key for: that is the session's device once the handshake
-/// proves the peer holds the key.
+/// proves the peer holds the key. One serves every session (building a
+/// `dimpl::Config` self-tests the crypto provider, milliseconds of
+/// elliptic-curve work): sessions are driven one at a time, so a lookup
+/// belongs to the engine call that made it ([`KeyLookup::during`]).
 struct KeyLookup {
     store: AssertUnwindSafe<Store>,
     given: Mutex<Option<(ResourceKey, Psk)>>,
+}
+
+impl KeyLookup {
+    /// Runs `call` on `session`'s engine; a key looked up during it is the
+    /// session's.
+    fn during<R>(&self, session: &mut Session, call: impl FnOnce(&mut Dtls) -> R) -> R {
+        self.given.lock().expect("key lookup").take();
+        let result = call(&mut session.dtls);
+        if let Some(given) = self.given.lock().expect("key lookup").take() {
+            session.looked_up = Some(given);
+        }
+        result
+    }
 }
 
 impl PskResolver for KeyLookup {
@@ -126,7 +142,8 @@ struct Session {
     /// The random of the ClientHello that began it: the second
     /// ClientHello (with the cookie) repeats it; a new handshake does not.
     random: [u8; 32],
-    lookup: Arc<KeyLookup>,
+    /// The device and key the handshake looked up, until it completes.
+    looked_up: Option<(ResourceKey, Psk)>,
     /// Set when the handshake completed: the device, its key then, and a
     /// watch on that key.
     device: Option<(ResourceKey, Psk, watch::Receiver<()>)>,
@@ -144,11 +161,11 @@ struct Drained {
 }
 
 impl Session {
-    fn new(config: Arc<Config>, lookup: Arc<KeyLookup>, random: [u8; 32], now: Instant) -> Session {
+    fn new(config: Arc<Config>, random: [u8; 32], now: Instant) -> Session {
         Session {
             dtls: Dtls::new_12_psk(config, now),
             random,
-            lookup,
+            looked_up: None,
             device: None,
             next_timeout: None,
             last_heard: now,
@@ -198,6 +215,8 @@ pub struct Received {
 pub struct Sessions {
     store: Store,
     settings: DtlsSettings,
+    config: Arc<Config>,
+    lookup: Arc<KeyLookup>,
     metrics: Arc<DtlsMetrics>,
     endpoints: HashMap<SocketAddr, Endpoint>,
     buf: Vec<u8>,
@@ -236,8 +255,14 @@ fn client_hello_random(datagram: &[u8]) -> Option<[u8; 32]> {
 impl Sessions {
     /// No sessions yet.
     pub fn new(store: Store, settings: DtlsSettings, metrics: Arc<DtlsMetrics>) -> Sessions {
+        let lookup = Arc::new(KeyLookup {
+            store: AssertUnwindSafe(store.clone()),
+            given: Mutex::new(None),
+        });
         Sessions {
             store,
+            config: Self::config(&settings, Arc::clone(&lookup)),
+            lookup,
             settings,
             metrics,
             endpoints: HashMap::new(),
@@ -245,10 +270,10 @@ impl Sessions {
         }
     }
 
-    fn config(&self, lookup: Arc<KeyLookup>) -> Arc<Config> {
+    fn config(settings: &DtlsSettings, lookup: Arc<KeyLookup>) -> Arc<Config> {
         let config = Config::builder()
-            .mtu(self.settings.mtu)
-            .handshake_timeout(self.settings.handshake_timeout)
+            .mtu(settings.mtu)
+            .handshake_timeout(settings.handshake_timeout)
             .dtls12_cipher_suites(&[Dtls12CipherSuite::PSK_AES128_CCM_8])
             .dtls13_cipher_suites(&[])
             .with_psk_server(None, lookup)
@@ -333,11 +358,7 @@ impl Sessions {
                 self.metrics.events.inc("refused_busy");
                 return received;
             }
-            let lookup = Arc::new(KeyLookup {
-                store: AssertUnwindSafe(self.store.clone()),
-                given: Mutex::new(None),
-            });
-            let session = Session::new(self.config(Arc::clone(&lookup)), lookup, random, now);
+            let session = Session::new(Arc::clone(&self.config), random, now);
             let endpoint = self.endpoints.entry(peer).or_default();
             match endpoint.current {
                 Some(_) => endpoint.pending = Some(session),
@@ -370,7 +391,7 @@ impl Sessions {
         let mut replace = false;
         if to_pending {
             let pending = endpoint.pending.as_mut().expect("pending");
-            match self::feed(pending, datagram, now, &mut self.buf) {
+            match self::feed(pending, &self.lookup, datagram, now, &mut self.buf) {
                 Ok(drained) => {
                     received.send.extend(drained.packets);
                     if drained.connected {
@@ -393,7 +414,7 @@ impl Sessions {
             }
         } else if to_current && let Some(current) = endpoint.current.as_mut() {
             let was_established = current.device.is_some();
-            match self::feed(current, datagram, now, &mut self.buf) {
+            match self::feed(current, &self.lookup, datagram, now, &mut self.buf) {
                 Ok(drained) => {
                     received.send.extend(drained.packets);
                     if drained.connected && !self::establish(current, &self.store) {
@@ -506,7 +527,11 @@ impl Sessions {
                     continue;
                 }
                 let handshaking = session.device.is_none();
-                if session.dtls.handle_timeout(now).is_err() {
+                if self
+                    .lookup
+                    .during(session, |d| d.handle_timeout(now))
+                    .is_err()
+                {
                     *slot = None;
                     self.metrics.events.inc(if handshaking {
                         "handshake_failed"
@@ -536,12 +561,17 @@ impl Sessions {
 /// Feeds one datagram to a session's engine.
 fn feed(
     session: &mut Session,
+    lookup: &KeyLookup,
     datagram: &[u8],
     now: Instant,
     buf: &mut Vec<u8>,
 ) -> Result<Drained, ()> {
-    session.dtls.handle_timeout(now).map_err(|_| ())?;
-    session.dtls.handle_packet(datagram).map_err(|_| ())?;
+    lookup
+        .during(session, |d| d.handle_timeout(now))
+        .map_err(|_| ())?;
+    lookup
+        .during(session, |d| d.handle_packet(datagram))
+        .map_err(|_| ())?;
     session.last_heard = now;
     Ok(session.drain(buf))
 }
@@ -549,7 +579,7 @@ fn feed(
 /// Completes a session whose handshake finished: its device is the one the
 /// key was looked up for (the handshake proved the peer holds that key).
 fn establish(session: &mut Session, store: &Store) -> bool {
-    let given = session.lookup.given.lock().expect("key lookup").take();
+    let given = session.looked_up.take();
     match given {
         Some((device, psk)) => {
             let watch = store.credential_watch(&device);
@@ -695,6 +725,56 @@ mod tests {
         assert_eq!(metrics.events.get("failed"), 0);
         assert_eq!(metrics.events.get("replaced"), 0);
         assert_eq!(sessions.len(), 1);
+    }
+
+    #[tokio::test]
+    async fn interleaved_handshakes_each_get_the_device_whose_key_they_proved() {
+        let (mut sessions, metrics, _dir) = sessions(DtlsSettings::default()).await;
+        const T2_KEY: &[u8] = b"t2-key-0123456789abcdef";
+        let t2 = ResourceKey::device("plant", "t2");
+        let psk = Psk::new(T2_KEY.to_vec()).unwrap();
+        let held = Desired::Credential(HeldCredential {
+            version: credential::version("uid2", &psk),
+            psk,
+        });
+        sessions
+            .store
+            .apply(&[(credential::key_of(&t2), held)], &[])
+            .await
+            .unwrap();
+        // t1, an impostor claiming t2 with another key (its key is looked
+        // up, then its Finished fails), and t2: one flight of each in turn,
+        // so each lookup happens between the others'.
+        let mut devices = [
+            (peer(1), client("t1@plant", KEY)),
+            (peer(2), client("t2@plant", b"not-t2s-key-0123456789")),
+            (peer(3), client("t2@plant", T2_KEY)),
+        ];
+        for (_, dtls) in &mut devices {
+            dtls.handle_timeout(Instant::now()).unwrap();
+        }
+        for _ in 0..10 {
+            // Each device's datagrams of this flight, dealt out in turn.
+            let flights: Vec<Vec<Vec<u8>>> = devices.iter_mut().map(|(_, d)| output(d).0).collect();
+            let longest = flights.iter().map(Vec::len).max().unwrap_or(0);
+            for n in 0..longest {
+                for ((peer, dtls), flight) in devices.iter_mut().zip(&flights) {
+                    let Some(packet) = flight.get(n) else {
+                        continue;
+                    };
+                    for back in sessions.receive(*peer, packet, Instant::now()).send {
+                        let _ = dtls.handle_packet(&back);
+                    }
+                }
+            }
+        }
+        assert_eq!(
+            sessions.device_of(peer(1)),
+            Some(&ResourceKey::device("plant", "t1"))
+        );
+        assert_eq!(sessions.device_of(peer(2)), None);
+        assert_eq!(sessions.device_of(peer(3)), Some(&t2));
+        assert_eq!(metrics.events.get("established"), 2);
     }
 
     #[tokio::test]

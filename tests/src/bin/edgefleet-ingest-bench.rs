@@ -63,6 +63,9 @@ struct Cli {
     /// Where the stores go (a real disk, not tmpfs, for honest flushes).
     #[arg(long, default_value = "target/ingest-bench")]
     dir: std::path::PathBuf,
+    /// Run only the phases whose name contains this (say `DTLS`).
+    #[arg(long)]
+    only: Option<String>,
 }
 
 const NAMESPACE: &str = "bench";
@@ -151,6 +154,13 @@ fn main() -> anyhow::Result<()> {
     // delayed ACKs): the latency of a lone device would be the broker's.
     let broker = Mosquitto::start_with(broker_dir.path(), "log_type error\nset_tcp_nodelay true\n");
     for (n, (name, phase)) in phases.into_iter().enumerate() {
+        if cli
+            .only
+            .as_ref()
+            .is_some_and(|only| !name.contains(only.as_str()))
+        {
+            continue;
+        }
         let dir = cli.dir.join(format!("phase-{n}"));
         let _ = std::fs::remove_dir_all(&dir);
         let figures = run_phase(&agent, &devices, &cli, &dir, &broker, phase)
