@@ -12,8 +12,17 @@
 //! them after releasing its lock.
 //!
 //! Bounds, each counted in `edgefleet_agent_coap_dtls_total{outcome}`:
-//! - at most `max_handshakes` handshakes at once (a ClientHello beyond is
-//!   dropped: `refused_busy`), each given `handshake_timeout`;
+//! - a ClientHello is first answered with a cookie (HelloVerifyRequest,
+//!   RFC 6347 §4.2.1), and the handshake counts against `max_handshakes`
+//!   only once the peer returns it, which proves it receives at the
+//!   address it sends from. Handshakes waiting for their cookie are few
+//!   and short-lived: at most 4 × `max_handshakes` (a new one beyond
+//!   pushes out the oldest: `hello_evicted`), each for 2 s
+//!   (`hello_expired`). So ClientHellos from forged addresses cannot hold
+//!   the handshake slots devices need;
+//! - at most `max_handshakes` handshakes past the cookie at once (one
+//!   beyond is dropped before its ServerHello: `refused_busy`; the device
+//!   tries again), each given `handshake_timeout`;
 //! - at most `max_sessions` sessions; a new one beyond evicts the least
 //!   recently heard (`evicted`);
 //! - a device whose key changes or goes loses its sessions at the next
@@ -75,11 +84,22 @@ impl Default for DtlsSettings {
     }
 }
 
+/// Handshakes waiting for their cookie, per handshake allowed past it
+/// (`max_handshakes`), before the oldest waiting one goes.
+const HELLOS_PER_HANDSHAKE: usize = 4;
+
+/// How long a handshake may wait for its cookie: a device on the site
+/// returns it within a round trip.
+const HELLO_LIFETIME: Duration = Duration::from_secs(2);
+
 /// The DTLS counters.
 #[derive(Debug, Default)]
 pub struct DtlsMetrics {
     /// Session events: `established`, `handshake_failed`,
-    /// `handshake_restarted` (the device began a new one), `refused_busy`,
+    /// `handshake_restarted` (the device began a new one), `refused_busy`
+    /// (a handshake past its cookie beyond `max_handshakes`),
+    /// `hello_evicted` and `hello_expired` (a handshake that did not return
+    /// its cookie: pushed out by newer ones, or not back within 2 s),
     /// `evicted`, `revoked`, `replaced`, `closed` (by the device), `failed`
     /// (a fatal error on an established session), `not_dtls` (a datagram
     /// that is no DTLS record), `no_session` (a datagram that is not a
@@ -142,6 +162,12 @@ struct Session {
     /// The random of the ClientHello that began it: the second
     /// ClientHello (with the cookie) repeats it; a new handshake does not.
     random: [u8; 32],
+    /// When its first ClientHello came.
+    begun: Instant,
+    /// Whether the peer returned the cookie (the engine answered with a
+    /// ServerHello): it receives at the address it sends from. Until then
+    /// the session costs little and counts against no handshake bound.
+    cookie_returned: bool,
     /// The device and key the handshake looked up, until it completes.
     looked_up: Option<(ResourceKey, Psk)>,
     /// Set when the handshake completed: the device, its key then, and a
@@ -165,6 +191,8 @@ impl Session {
         Session {
             dtls: Dtls::new_12_psk(config, now),
             random,
+            begun: now,
+            cookie_returned: false,
             looked_up: None,
             device: None,
             next_timeout: None,
@@ -282,14 +310,62 @@ impl Sessions {
         Arc::new(config)
     }
 
+    /// Handshakes under way past the cookie exchange.
     fn handshakes(&self) -> usize {
+        let counts = |s: &Session| s.device.is_none() && s.cookie_returned;
         self.endpoints
             .values()
             .map(|e| {
-                usize::from(e.pending.is_some())
-                    + usize::from(e.current.as_ref().is_some_and(|s| s.device.is_none()))
+                usize::from(e.pending.as_ref().is_some_and(counts))
+                    + usize::from(e.current.as_ref().is_some_and(counts))
             })
             .sum()
+    }
+
+    /// Handshakes waiting for their cookie, as (endpoint, whether it is the
+    /// pending slot, when it began).
+    fn hellos(&self) -> Vec<(SocketAddr, bool, Instant)> {
+        let mut hellos = Vec::new();
+        for (peer, e) in &self.endpoints {
+            for (pending, slot) in [(true, &e.pending), (false, &e.current)] {
+                if let Some(s) = slot.as_ref().filter(|s| !s.cookie_returned) {
+                    hellos.push((*peer, pending, s.begun));
+                }
+            }
+        }
+        hellos
+    }
+
+    /// Makes room for one more handshake waiting for its cookie: beyond
+    /// [`HELLOS_PER_HANDSHAKE`] × `max_handshakes` of them, the oldest goes
+    /// (a flood of ClientHellos from forged addresses pushes out its own,
+    /// while a device's returns its cookie within a round trip).
+    fn make_room_for_a_hello(&mut self) {
+        let hellos = self.hellos();
+        let bound = self
+            .settings
+            .max_handshakes
+            .saturating_mul(HELLOS_PER_HANDSHAKE);
+        if hellos.len() < bound {
+            return;
+        }
+        if let Some((peer, pending, _)) = hellos.into_iter().min_by_key(|(_, _, begun)| *begun) {
+            self.drop_slot(peer, pending);
+            self.metrics.events.inc("hello_evicted");
+        }
+    }
+
+    /// Drops the pending or current session of `peer`.
+    fn drop_slot(&mut self, peer: SocketAddr, pending: bool) {
+        if let Some(endpoint) = self.endpoints.get_mut(&peer) {
+            match pending {
+                true => endpoint.pending = None,
+                false => endpoint.current = endpoint.pending.take(),
+            }
+            if endpoint.current.is_none() {
+                self.endpoints.remove(&peer);
+            }
+        }
     }
 
     fn established(&self) -> usize {
@@ -354,10 +430,7 @@ impl Sessions {
             e.pending.is_some() || e.current.as_ref().is_some_and(|s| s.device.is_none())
         });
         if let Some(random) = hello.filter(|_| !under_way) {
-            if self.handshakes() >= self.settings.max_handshakes {
-                self.metrics.events.inc("refused_busy");
-                return received;
-            }
+            self.make_room_for_a_hello();
             let session = Session::new(Arc::clone(&self.config), random, now);
             let endpoint = self.endpoints.entry(peer).or_default();
             match endpoint.current {
@@ -381,6 +454,8 @@ impl Sessions {
             return received;
         }
         let epoch0 = record_header(datagram).is_some_and(|(_, epoch)| epoch == 0);
+        // Only a ClientHello can bring a handshake past its cookie.
+        let busy = hello.is_some() && self.handshakes() >= self.settings.max_handshakes;
         let endpoint = self.endpoints.get_mut(&peer).expect("an endpoint");
         // Epoch-0 records belong to the replacing handshake, if there is
         // one; protected records may belong to either (the replacing
@@ -391,16 +466,16 @@ impl Sessions {
         let mut replace = false;
         if to_pending {
             let pending = endpoint.pending.as_mut().expect("pending");
-            match self::feed(pending, &self.lookup, datagram, now, &mut self.buf) {
+            match self::feed(pending, &self.lookup, datagram, now, &mut self.buf, busy) {
                 Ok(drained) => {
                     received.send.extend(drained.packets);
                     if drained.connected {
                         replace = true;
                     }
                 }
-                Err(()) => {
+                Err(fed) => {
                     endpoint.pending = None;
-                    self.metrics.events.inc("handshake_failed");
+                    self.metrics.events.inc(fed.label("handshake_failed"));
                 }
             }
         }
@@ -414,7 +489,7 @@ impl Sessions {
             }
         } else if to_current && let Some(current) = endpoint.current.as_mut() {
             let was_established = current.device.is_some();
-            match self::feed(current, &self.lookup, datagram, now, &mut self.buf) {
+            match self::feed(current, &self.lookup, datagram, now, &mut self.buf, busy) {
                 Ok(drained) => {
                     received.send.extend(drained.packets);
                     if drained.connected && !self::establish(current, &self.store) {
@@ -429,13 +504,13 @@ impl Sessions {
                     }
                     received.messages = drained.data;
                 }
-                Err(()) => {
+                Err(fed) => {
                     endpoint.current = None;
-                    self.metrics.events.inc(if was_established {
+                    self.metrics.events.inc(fed.label(if was_established {
                         "failed"
                     } else {
                         "handshake_failed"
-                    });
+                    }));
                 }
             }
         }
@@ -523,6 +598,11 @@ impl Sessions {
                         continue;
                     }
                 }
+                if !session.cookie_returned && now.duration_since(session.begun) > HELLO_LIFETIME {
+                    *slot = None;
+                    self.metrics.events.inc("hello_expired");
+                    continue;
+                }
                 if session.next_timeout.is_none_or(|at| at > now) {
                     continue;
                 }
@@ -559,21 +639,55 @@ impl Sessions {
 }
 
 /// Feeds one datagram to a session's engine.
+/// Why a session's engine is dropped after a datagram.
+enum Unfed {
+    /// The engine failed.
+    Failed,
+    /// The handshake came past its cookie while `max_handshakes` are under
+    /// way: it goes, and its ServerHello is not sent.
+    Busy,
+}
+
+impl Unfed {
+    fn label(&self, failed: &'static str) -> &'static str {
+        match self {
+            Unfed::Failed => failed,
+            Unfed::Busy => "refused_busy",
+        }
+    }
+}
+
+/// Whether `packet` begins with a ServerHello: the engine's answer to a
+/// ClientHello that returned its cookie.
+fn is_server_hello(packet: &[u8]) -> bool {
+    record_header(packet) == Some((HANDSHAKE, 0)) && packet.get(13) == Some(&2)
+}
+
+/// Feeds one datagram to a session's engine; `busy` when no further
+/// handshake may come past its cookie.
 fn feed(
     session: &mut Session,
     lookup: &KeyLookup,
     datagram: &[u8],
     now: Instant,
     buf: &mut Vec<u8>,
-) -> Result<Drained, ()> {
+    busy: bool,
+) -> Result<Drained, Unfed> {
     lookup
         .during(session, |d| d.handle_timeout(now))
-        .map_err(|_| ())?;
+        .map_err(|_| Unfed::Failed)?;
     lookup
         .during(session, |d| d.handle_packet(datagram))
-        .map_err(|_| ())?;
+        .map_err(|_| Unfed::Failed)?;
     session.last_heard = now;
-    Ok(session.drain(buf))
+    let drained = session.drain(buf);
+    if !session.cookie_returned && drained.packets.iter().any(|p| is_server_hello(p)) {
+        if busy {
+            return Err(Unfed::Busy);
+        }
+        session.cookie_returned = true;
+    }
+    Ok(drained)
 }
 
 /// Completes a session whose handshake finished: its device is the one the
@@ -668,6 +782,26 @@ mod tests {
             received.device = r.device;
         }
         received
+    }
+
+    /// Sends `dtls`'s ClientHello from `peer`, returns the cookie, and
+    /// gives back what the agent answered to the ClientHello with it.
+    fn past_the_cookie(sessions: &mut Sessions, peer: SocketAddr, dtls: &mut Dtls) -> Vec<Vec<u8>> {
+        dtls.handle_timeout(Instant::now()).unwrap();
+        let hello = output(dtls).0.remove(0);
+        let verify = sessions.receive(peer, &hello, Instant::now()).send;
+        assert_eq!(verify.len(), 1, "a HelloVerifyRequest");
+        dtls.handle_packet(&verify[0]).unwrap();
+        let hello = output(dtls).0.remove(0);
+        sessions.receive(peer, &hello, Instant::now()).send
+    }
+
+    /// A ClientHello as a flood from forged addresses sends it: one
+    /// device's, with a random of its own.
+    fn forged_hello(template: &[u8], n: u32) -> Vec<u8> {
+        let mut hello = template.to_vec();
+        hello[27..31].copy_from_slice(&n.to_be_bytes());
+        hello
     }
 
     async fn sessions(settings: DtlsSettings) -> (Sessions, Arc<DtlsMetrics>, tempfile::TempDir) {
@@ -778,6 +912,41 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn clienthellos_from_forged_addresses_do_not_hold_the_handshake_slots() {
+        let settings = DtlsSettings {
+            max_handshakes: 4,
+            ..DtlsSettings::default()
+        };
+        let (mut sessions, metrics, _dir) = sessions(settings).await;
+        let mut template = client("t9@plant", KEY);
+        template.handle_timeout(Instant::now()).unwrap();
+        let template = output(&mut template).0.remove(0);
+        // 100 ClientHellos from as many addresses that never return their
+        // cookie: each is answered, and only the newest 16 (4 × 4) wait.
+        let begun = Instant::now();
+        for n in 0..100 {
+            let port = 20_000 + u16::try_from(n).unwrap();
+            let answer = sessions.receive(peer(port), &forged_hello(&template, n), begun);
+            assert_eq!(answer.send.len(), 1, "a HelloVerifyRequest");
+        }
+        assert_eq!(sessions.hellos().len(), 16);
+        assert_eq!(metrics.events.get("hello_evicted"), 84);
+        assert_eq!(sessions.handshakes(), 0);
+        // A device amid the flood gets its session at once.
+        let mut device = client("t1@plant", KEY);
+        handshake(&mut sessions, peer(1), &mut device);
+        assert_eq!(
+            sessions.device_of(peer(1)),
+            Some(&ResourceKey::device("plant", "t1"))
+        );
+        // Its ClientHello pushed out one more; the rest expire.
+        assert_eq!(metrics.events.get("hello_evicted"), 85);
+        sessions.tick(begun + HELLO_LIFETIME + Duration::from_millis(1));
+        assert_eq!(sessions.hellos().len(), 0);
+        assert_eq!(metrics.events.get("hello_expired"), 15);
+    }
+
+    #[tokio::test]
     async fn a_forgotten_session_is_told_with_an_alert_no_larger_than_its_record() {
         let (mut sessions, metrics, _dir) = sessions(DtlsSettings::default()).await;
         let record = |len: usize| {
@@ -825,21 +994,18 @@ mod tests {
         };
         let (mut sessions, metrics, _dir) = sessions(settings_again()).await;
 
-        // One handshake under way: a second ClientHello is dropped.
+        // One handshake past its cookie: a second one gets its cookie but
+        // goes when it returns it, before any ServerHello.
         let mut first = client("t1@plant", KEY);
-        first.handle_timeout(Instant::now()).unwrap();
-        let hello = output(&mut first).0.remove(0);
-        sessions.receive(peer(1), &hello, Instant::now());
-        let mut second = client("t1@plant", KEY);
-        second.handle_timeout(Instant::now()).unwrap();
-        let hello = output(&mut second).0.remove(0);
         assert!(
-            sessions
-                .receive(peer(2), &hello, Instant::now())
-                .send
-                .is_empty()
+            past_the_cookie(&mut sessions, peer(1), &mut first)
+                .iter()
+                .any(|p| is_server_hello(p))
         );
+        let mut second = client("t1@plant", KEY);
+        assert!(past_the_cookie(&mut sessions, peer(2), &mut second).is_empty());
         assert_eq!(metrics.events.get("refused_busy"), 1);
+        assert_eq!(sessions.handshakes(), 1);
 
         // Three devices one after the other: the least recently heard goes.
         let (mut sessions, metrics, _dir) = self::sessions(settings_again()).await;
