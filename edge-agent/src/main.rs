@@ -81,8 +81,10 @@ struct Cli {
     /// recently heard.
     #[arg(long, env = "EDGEFLEET_COAP_MAX_DTLS_SESSIONS", default_value_t = DtlsSettings::default().max_sessions)]
     coap_max_dtls_sessions: usize,
-    /// At most this many DTLS handshakes at once; a ClientHello beyond is
-    /// dropped (the device retries).
+    /// At most this many DTLS handshakes at once past the cookie exchange;
+    /// one beyond is dropped (the device retries). Handshakes still
+    /// waiting for their cookie are bounded at 4 times this, the oldest
+    /// pushed out.
     #[arg(long, env = "EDGEFLEET_COAP_MAX_DTLS_HANDSHAKES", default_value_t = DtlsSettings::default().max_handshakes)]
     coap_max_dtls_handshakes: usize,
     /// At most this many CoAP observers (RFC 7641) in all; beyond it a
