@@ -19,7 +19,7 @@ lint:
 ## device CBOR, MQTT packets and topics) for FUZZ_SECONDS each, from the
 ## seeds in tests/fuzz/seeds (libFuzzer through cargo-fuzz; nightly).
 FUZZ_SECONDS ?= 60
-FUZZ_TARGETS := coap_request device_cbor mqtt_packets
+FUZZ_TARGETS := coap_request device_cbor mqtt_packets dtls_datagrams
 # Kept between runs on this machine: the nightly build of the agent's crates.
 FUZZ_TARGET_DIR ?= $(HOME)/.cache/edgefleet/fuzz-target
 fuzz:
