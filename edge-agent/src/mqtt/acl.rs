@@ -107,12 +107,24 @@ pub fn login(
     Ok(identity)
 }
 
+/// The topics `device` of `node` may publish to: its own reports and
+/// events (also what Mosquitto's ACL file says, see [`super::mosquitto`]).
+pub fn publishes(node: &str, device: &ResourceKey) -> [String; 2] {
+    [topics::report(node, device), topics::event(node, device)]
+}
+
+/// The topics `device` of `node` may subscribe to: its own desired state
+/// and event acknowledgements, no wildcards.
+pub fn subscriptions(node: &str, device: &ResourceKey) -> [String; 2] {
+    [
+        topics::desired(node, device),
+        topics::event_ack(node, device),
+    ]
+}
+
 /// Judges a publish by `identity` to `topic`.
 pub fn publish(identity: &Identity, topic: &str, retain: bool) -> Result<(), Refusal> {
-    let own = [
-        topics::report(&identity.node, &identity.device),
-        topics::event(&identity.node, &identity.device),
-    ];
+    let own = publishes(&identity.node, &identity.device);
     if !own.iter().any(|t| t == topic) {
         return Err(Refusal::PublishNotAllowed(topic.to_owned()));
     }
@@ -124,10 +136,7 @@ pub fn publish(identity: &Identity, topic: &str, retain: bool) -> Result<(), Ref
 
 /// Judges a subscription by `identity` to `filter`.
 pub fn subscribe(identity: &Identity, filter: &str) -> Result<(), Refusal> {
-    let own = [
-        topics::desired(&identity.node, &identity.device),
-        topics::event_ack(&identity.node, &identity.device),
-    ];
+    let own = subscriptions(&identity.node, &identity.device);
     match own.iter().any(|t| t == filter) {
         true => Ok(()),
         false => Err(Refusal::SubscribeNotAllowed(filter.to_owned())),

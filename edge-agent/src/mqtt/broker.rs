@@ -32,14 +32,10 @@ pub struct BrokerSecrets {
 impl BrokerSecrets {
     /// New random secrets for the agent of `node`.
     pub fn new(node: &str) -> Self {
-        let fresh = || {
-            Psk::new(format!("{:032x}", rand::random::<u128>()).into_bytes())
-                .expect("32 hex digits are a key")
-        };
         BrokerSecrets {
             agent_client_id: agent_client_id(node),
-            agent: fresh(),
-            guard: fresh(),
+            agent: fresh_secret(),
+            guard: fresh_secret(),
         }
     }
 
@@ -64,7 +60,14 @@ impl BrokerSecrets {
     }
 }
 
-fn text(psk: &Psk) -> String {
+/// A random secret made at start: the agent's password on a broker.
+pub(super) fn fresh_secret() -> Psk {
+    Psk::new(format!("{:032x}", rand::random::<u128>()).into_bytes())
+        .expect("32 hex digits are a key")
+}
+
+/// A secret as the password text it is (keys are printable ASCII).
+pub(super) fn text(psk: &Psk) -> String {
     String::from_utf8(psk.as_bytes().to_vec()).expect("keys are ASCII")
 }
 

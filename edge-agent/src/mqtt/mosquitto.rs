@@ -37,7 +37,8 @@ use edgefleet_shared::telemetry::Outcomes;
 use edgefleet_shared::{ResourceKey, topics};
 use sha2::Sha512;
 
-use super::broker::agent_client_id;
+use super::acl;
+use super::broker::{self, agent_client_id};
 use crate::store::Store;
 
 /// PBKDF2 rounds of a `$7$` hash: what `mosquitto_passwd` makes. The keys
@@ -73,15 +74,13 @@ pub fn acl_file<'d>(node: &str, devices: impl IntoIterator<Item = &'d ResourceKe
         topics::ROOT
     );
     for device in devices {
-        let _ = write!(
-            acl,
-            "\nuser {}\ntopic write {}\ntopic write {}\ntopic read {}\ntopic read {}\n",
-            credential::login_name(device),
-            topics::report(node, device),
-            topics::event(node, device),
-            topics::desired(node, device),
-            topics::event_ack(node, device),
-        );
+        let _ = writeln!(acl, "\nuser {}", credential::login_name(device));
+        for topic in acl::publishes(node, device) {
+            let _ = writeln!(acl, "topic write {topic}");
+        }
+        for topic in acl::subscriptions(node, device) {
+            let _ = writeln!(acl, "topic read {topic}");
+        }
     }
     acl
 }
@@ -109,8 +108,7 @@ impl AuthFiles {
             dir: dir.to_owned(),
             pid_file: pid_file.to_owned(),
             group,
-            agent: Psk::new(format!("{:032x}", rand::random::<u128>()).into_bytes())
-                .expect("32 hex digits are a key"),
+            agent: broker::fresh_secret(),
             hashes: HashMap::new(),
             written: None,
         }
@@ -118,8 +116,7 @@ impl AuthFiles {
 
     /// The agent's user name (its client id) and password.
     pub fn agent_login(&self) -> (String, String) {
-        let password = String::from_utf8(self.agent.as_bytes().to_vec()).expect("keys are ASCII");
-        (agent_client_id(&self.node), password)
+        (agent_client_id(&self.node), broker::text(&self.agent))
     }
 
     /// Writes the files for `keys` if what they say changed; whether they
