@@ -382,6 +382,7 @@ async fn feed_index(
     let mut relist = Vec::new();
     let events = watcher(api, watcher::Config::default())
         .backoff(watch_backoff())
+        .modify(strip_unused)
         .reflect(writer);
     futures::pin_mut!(events);
     while let Some(event) = events.next().await {
@@ -418,6 +419,19 @@ async fn feed_index(
     }
 }
 
+/// The annotation `kubectl apply` keeps a whole copy of the object in.
+const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
+
+/// Drops what no part of the controller reads before a Device is cached:
+/// `managedFields` (often larger than the Device itself) and the copy of
+/// the object `kubectl apply` keeps in an annotation.
+pub(crate) fn strip_unused(device: &mut Device) {
+    device.metadata.managed_fields = None;
+    if let Some(annotations) = device.metadata.annotations.as_mut() {
+        annotations.remove(LAST_APPLIED);
+    }
+}
+
 /// A stream that yields at most every `every` while `changes` move: the
 /// trigger of the rollout and rule reconcilers, fed by the Device watch.
 fn throttled(
@@ -430,4 +444,38 @@ fn throttled(
         changes.borrow_and_update();
         Some(((), changes))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry;
+
+    #[test]
+    fn the_cache_drops_managed_fields_and_the_applied_copy_only() {
+        let mut device = crate::index::tests::device("ns", "a", "edge-1", "ua", 1);
+        device.metadata.managed_fields = Some(vec![ManagedFieldsEntry {
+            manager: Some("kubectl".into()),
+            ..ManagedFieldsEntry::default()
+        }]);
+        device.metadata.annotations = Some(
+            [
+                (
+                    LAST_APPLIED.to_owned(),
+                    "{\"a whole\": \"copy\"}".to_owned(),
+                ),
+                ("team".to_owned(), "line-3".to_owned()),
+            ]
+            .into(),
+        );
+        let spec = device.spec.clone();
+        strip_unused(&mut device);
+        assert_eq!(device.metadata.managed_fields, None);
+        assert_eq!(
+            device.metadata.annotations,
+            Some([("team".to_owned(), "line-3".to_owned())].into())
+        );
+        assert_eq!(device.spec, spec);
+        assert_eq!(device.metadata.uid.as_deref(), Some("ua"));
+    }
 }

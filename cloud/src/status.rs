@@ -154,6 +154,9 @@ pub struct StatusMetrics {
     /// Writes the API server refused for good (400, 413, 422: another
     /// object by now, or a status the schema refuses), dropped.
     pub refused: prometheus_client::metrics::counter::Counter,
+    /// Devices with a status change not yet written (waiting or being
+    /// written): the writer's backlog against its budget.
+    pub backlog: prometheus_client::metrics::gauge::Gauge,
 }
 
 impl StatusMetrics {
@@ -194,6 +197,11 @@ impl StatusMetrics {
             "refused",
             "Status writes the API server refused for good (400, 413, 422), dropped",
             self.refused.clone(),
+        );
+        registry.register(
+            "backlog",
+            "Devices with a status change not yet written",
+            self.backlog.clone(),
         );
     }
 }
@@ -341,6 +349,7 @@ impl StatusWriter {
     pub async fn run(self) {
         let mut writes = tokio::task::JoinSet::new();
         loop {
+            self.count_backlog();
             while writes.len() < CONCURRENT_WRITES {
                 let Some((key, pending)) = self.next_write() else {
                     break;
@@ -367,6 +376,18 @@ impl StatusWriter {
                 () = self.inner.wake.notified() => {}
             }
         }
+    }
+
+    fn count_backlog(&self) {
+        let state = self.inner.state.lock().expect("status state");
+        let in_flight_only = state
+            .writing
+            .iter()
+            .filter(|key| !state.pending.contains_key(*key))
+            .count();
+        let backlog = state.pending.len() + in_flight_only;
+        drop(state);
+        self.inner.metrics.backlog.set(backlog as i64);
     }
 
     /// The oldest device with changes and no write on its way, urgent ones

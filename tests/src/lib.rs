@@ -22,6 +22,7 @@ pub mod edge_events;
 pub mod fault;
 pub mod final_state;
 pub mod fleet_view;
+pub mod hollow;
 pub mod manifests;
 pub mod mosquitto;
 pub mod node;

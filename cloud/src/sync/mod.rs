@@ -21,7 +21,7 @@ use edgefleet_shared::heartbeat::{Heartbeat, PeerWatch};
 use edgefleet_shared::key::ResourceKind;
 use edgefleet_shared::proto::{self, agent_message, cloud_message};
 use edgefleet_shared::telemetry::Outcomes;
-use kube::runtime::reflector;
+use kube::runtime::reflector::{self, ObjectRef};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::{mpsc, watch};
@@ -666,8 +666,19 @@ impl Driver {
                 // Devices as their statuses say; rules and device keys as
                 // the index has them now (if the agent holds other
                 // versions, the digest will not match and it is asked).
-                let mut delivered =
-                    delivered_to(&self.node, self.devices.state().iter().map(|d| &**d));
+                // Only this node's Devices are looked at, so a Hello costs
+                // the node's size, not the fleet's.
+                let devices: Vec<Arc<Device>> = self
+                    .desired
+                    .borrow()
+                    .keys()
+                    .filter(|key| key.is_device())
+                    .filter_map(|key| {
+                        self.devices
+                            .get(&ObjectRef::new(&key.name).within(&key.namespace))
+                    })
+                    .collect();
+                let mut delivered = delivered_to(&self.node, devices.iter().map(|d| &**d));
                 delivered.extend(
                     self.desired
                         .borrow()
