@@ -34,15 +34,15 @@ pub type Arrivals = HashMap<(ResourceKey, i64), i64>;
 #[derive(Debug, Default)]
 pub struct Counters {
     /// Sync streams opened (the first of each agent included).
-    pub sessions: AtomicU64,
+    sessions: AtomicU64,
     /// Inventories the controller asked for.
-    pub inventories: AtomicU64,
+    inventories: AtomicU64,
     /// Updates stored and acknowledged.
-    pub updates: AtomicU64,
+    updates: AtomicU64,
     /// Sessions that ended with an error (refused, cut, closed).
-    pub session_errors: AtomicU64,
+    session_errors: AtomicU64,
     /// The last of those errors.
-    pub last_error: Mutex<Option<String>>,
+    last_error: Mutex<Option<String>>,
 }
 
 impl Counters {

@@ -668,22 +668,20 @@ impl Driver {
                 // versions, the digest will not match and it is asked).
                 // Only this node's Devices are looked at, so a Hello costs
                 // the node's size, not the fleet's.
-                let devices: Vec<Arc<Device>> = self
-                    .desired
-                    .borrow()
-                    .keys()
-                    .filter(|key| key.is_device())
-                    .filter_map(|key| {
+                let slice = self.desired.borrow();
+                let (devices, others): (Vec<_>, Vec<_>) =
+                    slice.iter().partition(|(key, _)| key.is_device());
+                let devices: Vec<Arc<Device>> = devices
+                    .into_iter()
+                    .filter_map(|(key, _)| {
                         self.devices
                             .get(&ObjectRef::new(&key.name).within(&key.namespace))
                     })
                     .collect();
                 let mut delivered = delivered_to(&self.node, devices.iter().map(|d| &**d));
                 delivered.extend(
-                    self.desired
-                        .borrow()
-                        .iter()
-                        .filter(|(key, _)| !key.is_device())
+                    others
+                        .into_iter()
                         .map(|(key, entry)| (key.clone(), entry.version.clone())),
                 );
                 delivered

@@ -443,7 +443,7 @@ async fn measure(
     drop(cloud);
     // The namespace goes with its Devices (their finalizer's controller is
     // gone, so they are let go first).
-    let _ = strip_finalizers(&api, size).await;
+    strip_finalizers(&api, size).await;
     let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(client.clone());
     let _ = namespaces
         .delete(&namespace, &DeleteParams::default())
@@ -462,7 +462,7 @@ async fn measure(
 
 /// Removes the controller's finalizer from every Device, so deleting the
 /// namespace does not wait for a controller that is no longer running.
-async fn strip_finalizers(api: &Api<Device>, size: Size) -> anyhow::Result<()> {
+async fn strip_finalizers(api: &Api<Device>, size: Size) {
     let patch = serde_json::json!({ "metadata": { "finalizers": null } });
     futures::stream::iter(0..size.devices)
         .map(|i| {
@@ -480,7 +480,6 @@ async fn strip_finalizers(api: &Api<Device>, size: Size) -> anyhow::Result<()> {
         .buffer_unordered(32)
         .collect::<Vec<()>>()
         .await;
-    Ok(())
 }
 
 #[tokio::main]
