@@ -29,7 +29,7 @@ use rumqttc::{
     AsyncClient, Event, EventLoop, MqttOptions, Packet, Publish, QoS, SubscribeFilter,
     SubscribeReasonCode,
 };
-use tokio::sync::{Notify, broadcast, mpsc};
+use tokio::sync::{broadcast, mpsc, watch};
 
 use crate::store::{Batch, EventOutcome, Store, StoreError};
 
@@ -127,7 +127,7 @@ pub async fn run_with_batch(
     let mut network = events.network_options();
     network.set_tcp_nodelay(true);
     events.set_network_options(network);
-    let connected = Arc::new(Notify::new());
+    let (subscribed_tx, subscribed) = watch::channel(false);
     let incoming = Incoming::default();
     let (incoming_tx, incoming_rx) = mpsc::unbounded_channel();
 
@@ -135,7 +135,7 @@ pub async fn run_with_batch(
         client.clone(),
         node.clone(),
         store.clone(),
-        Arc::clone(&connected),
+        subscribed,
         Arc::clone(&metrics),
     );
     let receiver = store_incoming(
@@ -150,7 +150,7 @@ pub async fn run_with_batch(
         events,
         client,
         node,
-        connected,
+        subscribed_tx,
         (incoming_tx, incoming),
         check,
         metrics,
@@ -165,7 +165,8 @@ struct Incoming {
 }
 
 /// Polls the connection; hands reports and events to [`store_incoming`]
-/// and tells the publisher about every (re)connect.
+/// and tells the publisher whether the broker holds the agent's
+/// subscriptions (false from a connection's loss until the next SUBACK).
 ///
 /// It never waits for anything but the connection: the client's request
 /// queue (desired states, acknowledgements) is drained only here, so a
@@ -175,7 +176,7 @@ async fn drive(
     mut events: EventLoop,
     client: AsyncClient,
     node: String,
-    connected: Arc<Notify>,
+    subscribed: watch::Sender<bool>,
     (queue, incoming): (mpsc::UnboundedSender<Publish>, Incoming),
     check: Check,
     metrics: Arc<MqttMetrics>,
@@ -202,7 +203,6 @@ async fn drive(
                         tracing::warn!(%error, "could not subscribe to reports and events");
                     }
                 });
-                connected.notify_one();
             }
             Ok(Event::Incoming(Packet::SubAck(ack))) => {
                 let refused = ack
@@ -215,6 +215,7 @@ async fn drive(
                 } else {
                     tracing::info!(%node, "subscribed to reports and events");
                     check.ok();
+                    subscribed.send_replace(true);
                 }
             }
             Ok(Event::Incoming(Packet::Publish(publish))) => {
@@ -231,6 +232,7 @@ async fn drive(
             }
             Ok(_) => {}
             Err(error) => {
+                subscribed.send_replace(false);
                 check.failing(format!("site broker: {error}"));
                 tracing::warn!(%node, %error, "site broker connection lost; reconnecting");
                 tokio::time::sleep(Duration::from_secs(1)).await;
@@ -425,22 +427,41 @@ fn write_report(
         .map_err(Refusal::Store)
 }
 
-/// Publishes desired state as it changes, and all of it after each connect.
+/// Publishes desired state as it changes, and all of it each time the broker
+/// acknowledged the agent's subscriptions.
+///
+/// A desired state goes out only while the agent is subscribed to reports: a
+/// device applies it and reports at once, and a report published before the
+/// broker holds the agent's subscription reaches no one and is lost. (A
+/// broker that kept the agent's session would have it, but a first
+/// connection, or a broker that lost its sessions, would not.) What changes
+/// meanwhile is published by the `publish_all` that follows the SUBACK.
+/// Clearing a deleted device's topic makes no device report, so it is
+/// queued at once.
 async fn publish_desired(
     client: AsyncClient,
     node: String,
     store: Store,
-    connected: Arc<Notify>,
+    mut subscribed: watch::Receiver<bool>,
     metrics: Arc<MqttMetrics>,
 ) {
     let mut changes = store.watch_desired();
     loop {
         tokio::select! {
-            () = connected.notified() => publish_all(&client, &node, &store, &metrics).await,
+            changed = subscribed.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+                if *subscribed.borrow_and_update() {
+                    publish_all(&client, &node, &store, &metrics).await;
+                }
+            }
             change = changes.recv() => match change {
                 Ok(change) => {
-                    for key in &change.upserted {
-                        publish_one(&client, &node, &store, key, &metrics).await;
+                    if *subscribed.borrow() {
+                        for key in &change.upserted {
+                            publish_one(&client, &node, &store, key, &metrics).await;
+                        }
                     }
                     for key in &change.removed {
                         let cleared = client.publish(topics::desired(&node, key), QoS::AtLeastOnce, true, Vec::new()).await;
@@ -449,7 +470,10 @@ async fn publish_desired(
                         }
                     }
                 }
-                Err(broadcast::error::RecvError::Lagged(_)) => publish_all(&client, &node, &store, &metrics).await,
+                Err(broadcast::error::RecvError::Lagged(_)) if *subscribed.borrow() => {
+                    publish_all(&client, &node, &store, &metrics).await
+                }
+                Err(broadcast::error::RecvError::Lagged(_)) => {}
                 Err(broadcast::error::RecvError::Closed) => return,
             },
         }
