@@ -51,6 +51,12 @@ const MAX_NAME: usize = 253;
 /// [`proto::MAX_BATCH_BYTES`] of them).
 pub const MAX_RESOURCES_PER_UPDATE: usize = 256;
 
+/// Most Updates awaiting the agent's answer. Beyond it the session sends
+/// nothing more until an answer comes; what changed meanwhile waits in the
+/// node's slice, so a slow agent later gets the latest state in one
+/// difference, and the session holds a bounded record of what is in flight.
+pub const MAX_UPDATES_IN_FLIGHT: usize = 16;
+
 /// Most resources an agent's Inventory may list in all its parts: far
 /// beyond any node's slice, but a bound on what one agent makes the
 /// session hold.
@@ -232,6 +238,8 @@ pub struct Session {
     // What the agent has confirmed it holds (its opening, then its answers).
     confirmed: Holdings,
     in_flight: HashMap<String, Carried>,
+    // The difference stopped at the in-flight bound: an answer resumes it.
+    held_back: bool,
     next_nonce: u64,
     uplink: UplinkMarks,
 }
@@ -263,6 +271,7 @@ impl Session {
             sent: Holdings::new(),
             confirmed: Holdings::new(),
             in_flight: HashMap::new(),
+            held_back: false,
             next_nonce: 1,
             uplink: UplinkMarks::default(),
         };
@@ -351,13 +360,19 @@ impl Session {
             .map(|ack| Effect::Send(cloud_message::Kind::UplinkAck(ack)))
     }
 
-    /// Updates that bring the agent from `sent` to the slice.
+    /// Updates that bring the agent from `sent` to the slice, as many as
+    /// the in-flight bound allows; the rest is sent as answers come.
     fn difference(&mut self) -> Vec<Effect> {
         let diff = difference(&self.slice, &self.sent);
         let mut removals = diff.removals.into_iter().peekable();
         let mut upserts = diff.upserts.into_iter().peekable();
         let mut effects = Vec::new();
-        while upserts.peek().is_some() || removals.peek().is_some() {
+        loop {
+            let more = upserts.peek().is_some() || removals.peek().is_some();
+            self.held_back = more && self.in_flight.len() >= MAX_UPDATES_IN_FLIGHT;
+            if !more || self.held_back {
+                break;
+            }
             let nonce = self.next_nonce.to_string();
             self.next_nonce += 1;
             let mut update = proto::Update {
@@ -466,6 +481,9 @@ impl Session {
             self.confirmed.remove(key);
         }
         effects.insert(0, Effect::Stored { upserts, removals });
+        if self.held_back {
+            effects.extend(self.difference());
+        }
         effects
     }
 
@@ -870,6 +888,47 @@ mod tests {
         let again = updates(&session.slice_changed(slice(&[("a", 1), ("bad", 2), ("c", 1)])));
         assert_eq!(again.len(), 1);
         assert_eq!(again[0].upserts[0].key, key("bad").to_string());
+    }
+
+    fn ack(nonce: &str) -> proto::AgentMessage {
+        proto::AgentMessage {
+            kind: Some(agent_message::Kind::Ack(proto::Ack {
+                nonce: nonce.into(),
+            })),
+        }
+    }
+
+    #[test]
+    fn an_agent_that_does_not_answer_holds_a_bounded_number_of_updates_and_then_gets_the_latest() {
+        let (mut session, effects) =
+            Session::open("edge-1", "s1", slice(&[("a", 1)]), Some(Holdings::new()));
+        let mut sent = updates(&effects);
+        // The agent answers nothing while its Device changes 100 times.
+        for generation in 2..=101 {
+            sent.extend(updates(&session.slice_changed(slice(&[("a", generation)]))));
+        }
+        assert_eq!(
+            sent.len(),
+            MAX_UPDATES_IN_FLIGHT,
+            "one Update per change, up to the bound"
+        );
+        assert_eq!(session.in_flight.len(), MAX_UPDATES_IN_FLIGHT);
+
+        // One answer frees one place: the next Update carries the latest
+        // generation, not the 17th.
+        let effects = session.received(ack(&sent[0].nonce)).unwrap();
+        let next = updates(&effects);
+        assert_eq!(next.len(), 1);
+        assert_eq!(
+            next[0].upserts[0].version,
+            Some((&ResourceVersion::new("uid-a", 101)).into())
+        );
+        // Caught up: further answers send nothing more.
+        for update in &sent[1..] {
+            assert!(updates(&session.received(ack(&update.nonce)).unwrap()).is_empty());
+        }
+        assert!(updates(&session.received(ack(&next[0].nonce)).unwrap()).is_empty());
+        assert!(session.in_flight.is_empty());
     }
 
     fn inventory(held: &[(&str, i64)], more: bool) -> proto::AgentMessage {
