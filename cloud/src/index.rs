@@ -82,7 +82,13 @@ impl Indexed {
 }
 
 /// Everything one node's agent should hold.
-pub type NodeSlice = BTreeMap<ResourceKey, Arc<Indexed>>;
+///
+/// A persistent map: a clone (one per session, at every change) shares
+/// the whole tree, a change copies only the path to its key, and two
+/// versions are compared ([`imbl::OrdMap::diff`]) by skipping the subtrees
+/// they share, so a session's work per change is proportional to the
+/// change, not to the node's size.
+pub type NodeSlice = imbl::OrdMap<ResourceKey, Arc<Indexed>>;
 
 /// Desired state by edge node.
 #[derive(Debug, Default)]
@@ -255,22 +261,36 @@ pub fn difference(
     desired: &NodeSlice,
     held: &BTreeMap<ResourceKey, ResourceVersion>,
 ) -> Difference {
-    let upserts = desired
-        .iter()
-        .filter(|(key, entry)| {
-            held.get(*key).is_none_or(|h| match key.kind {
-                ResourceKind::Device => entry.version.is_newer_than(h),
-                ResourceKind::Rule | ResourceKind::Credential => entry.version != *h,
-            })
-        })
-        .map(|(key, entry)| (key.clone(), Arc::clone(entry)))
-        .collect();
-    let removals = held
-        .keys()
-        .filter(|key| !desired.contains_key(*key))
-        .cloned()
-        .collect();
-    Difference { upserts, removals }
+    let gone = held.keys().filter(|key| !desired.contains_key(*key));
+    difference_at(desired, held, desired.keys().chain(gone))
+}
+
+/// [`difference`] looked at only for `keys` (those that may differ), in
+/// the order given.
+pub fn difference_at<'a>(
+    desired: &NodeSlice,
+    held: &BTreeMap<ResourceKey, ResourceVersion>,
+    keys: impl IntoIterator<Item = &'a ResourceKey>,
+) -> Difference {
+    let mut diff = Difference::default();
+    for key in keys {
+        match (desired.get(key), held.get(key)) {
+            (Some(entry), held) if must_send(key, entry, held) => {
+                diff.upserts.push((key.clone(), Arc::clone(entry)));
+            }
+            (None, Some(_)) => diff.removals.push(key.clone()),
+            _ => {}
+        }
+    }
+    diff
+}
+
+/// Whether an agent holding `held` of `key` must be sent `entry`.
+fn must_send(key: &ResourceKey, entry: &Indexed, held: Option<&ResourceVersion>) -> bool {
+    held.is_none_or(|h| match key.kind {
+        ResourceKind::Device => entry.version.is_newer_than(h),
+        ResourceKind::Rule | ResourceKind::Credential => entry.version != *h,
+    })
 }
 
 #[cfg(test)]

@@ -10,6 +10,10 @@
 //! What the session keeps:
 //! - `sent`: what the agent holds once every Update sent so far is stored.
 //!   A difference against the node's slice is what goes next.
+//! - `pending`: the keys where `sent` and the slice may differ: every key
+//!   when the session goes live, then only the keys a change of the slice
+//!   touched (a persistent map's diff against the slice seen before), so
+//!   the work of a change is proportional to the change.
 //! - `in_flight`: what each unanswered Update carried, by nonce. An Ack
 //!   says all of it is stored; a Nack says all of it is stored except the
 //!   resources it names, so one refused resource never holds back the rest.
@@ -27,12 +31,13 @@ use edgefleet_shared::codec::WireMessage;
 use edgefleet_shared::holdings::HoldingsDigest;
 use edgefleet_shared::proto::{self, Flow, agent_message, cloud_message, uplink_entry};
 use edgefleet_shared::{ResourceKey, ResourceVersion};
+use imbl::ordmap::DiffItem;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use prost::Message;
 
 use crate::device_events::{DeviceEvent, DroppedNotice};
-use crate::index::{NodeSlice, difference};
+use crate::index::{NodeSlice, difference_at};
 use crate::status::StatusChange;
 use edgefleet_shared::codec::FirmwareFailure;
 use edgefleet_shared::health_check::{HealthStage, HealthState};
@@ -235,6 +240,9 @@ pub struct Session {
     inventory: Holdings,
     slice: NodeSlice,
     sent: Holdings,
+    // Keys where `sent` may differ from `slice`: what the next difference
+    // looks at.
+    pending: BTreeSet<ResourceKey>,
     // What the agent has confirmed it holds (its opening, then its answers).
     confirmed: Holdings,
     in_flight: HashMap<String, Carried>,
@@ -269,6 +277,7 @@ impl Session {
             inventory: Holdings::new(),
             slice,
             sent: Holdings::new(),
+            pending: BTreeSet::new(),
             confirmed: Holdings::new(),
             in_flight: HashMap::new(),
             held_back: false,
@@ -303,6 +312,7 @@ impl Session {
         self.live = true;
         self.sent = held.clone();
         self.confirmed = held.clone();
+        self.pending = self.slice.keys().chain(held.keys()).cloned().collect();
         let mut effects = vec![Effect::Live(held)];
         effects.extend(self.holds(self.slice.keys()));
         effects.extend(self.difference());
@@ -328,19 +338,21 @@ impl Session {
         if !self.live {
             return Vec::new();
         }
+        let mut changed = Vec::new();
+        for item in previous.diff(&self.slice) {
+            match item {
+                DiffItem::Add(key, _) | DiffItem::Update { new: (key, _), .. } => {
+                    changed.push(key.clone());
+                }
+                DiffItem::Remove(key, _) => {
+                    self.pending.insert(key.clone());
+                }
+            }
+        }
+        self.pending.extend(changed.iter().cloned());
         // A slice that catches up with what the agent already holds (the
         // controller's view lagged, or the agent was ahead of a relisted
         // controller) sends nothing, so say here that it is delivered.
-        let changed: Vec<ResourceKey> = self
-            .slice
-            .iter()
-            .filter(|(key, entry)| {
-                previous
-                    .get(*key)
-                    .is_none_or(|p| p.version != entry.version)
-            })
-            .map(|(key, _)| key.clone())
-            .collect();
         let mut effects: Vec<Effect> = self.holds(&changed).into_iter().collect();
         effects.extend(self.difference());
         effects
@@ -363,13 +375,19 @@ impl Session {
     /// Updates that bring the agent from `sent` to the slice, as many as
     /// the in-flight bound allows; the rest is sent as answers come.
     fn difference(&mut self) -> Vec<Effect> {
-        let diff = difference(&self.slice, &self.sent);
+        let pending = std::mem::take(&mut self.pending);
+        let diff = difference_at(&self.slice, &self.sent, &pending);
         let mut removals = diff.removals.into_iter().peekable();
         let mut upserts = diff.upserts.into_iter().peekable();
         let mut effects = Vec::new();
         loop {
             let more = upserts.peek().is_some() || removals.peek().is_some();
             self.held_back = more && self.in_flight.len() >= MAX_UPDATES_IN_FLIGHT;
+            if self.held_back {
+                // What was not sent is looked at again when an answer comes.
+                self.pending.extend(removals.by_ref());
+                self.pending.extend(upserts.by_ref().map(|(key, _)| key));
+            }
             if !more || self.held_back {
                 break;
             }
@@ -929,6 +947,102 @@ mod tests {
         }
         assert!(updates(&session.received(ack(&next[0].nonce)).unwrap()).is_empty());
         assert!(session.in_flight.is_empty());
+    }
+
+    fn entry(name: &str, generation: i64) -> Arc<Indexed> {
+        let (_, entry) = slice(&[(name, generation)]).into_iter().next().expect("one");
+        entry
+    }
+
+    /// What the test does next: change the node's slice, or have the
+    /// agent answer one of the Updates it was sent.
+    #[derive(Clone, Debug)]
+    enum Step {
+        Upsert(usize, i64),
+        Remove(usize),
+        Answer(usize),
+    }
+
+    fn step() -> impl proptest::strategy::Strategy<Value = Step> {
+        use proptest::prelude::*;
+        prop_oneof![
+            4 => (0..300usize, 1..4i64).prop_map(|(d, g)| Step::Upsert(d, g)),
+            1 => (0..300usize).prop_map(Step::Remove),
+            3 => any::<usize>().prop_map(Step::Answer),
+        ]
+    }
+
+    proptest::proptest! {
+        /// Whatever the changes (each a clone of the slice before, sharing
+        /// its structure, as the index makes them) and however late the
+        /// agent answers, once it has answered everything it holds exactly
+        /// the latest slice: looking only at the keys a change touched
+        /// misses nothing.
+        #[test]
+        fn an_agent_ends_holding_the_latest_slice(
+            start in proptest::collection::vec((0..300usize, 1..4i64), 0..200),
+            steps in proptest::collection::vec(step(), 0..300),
+        ) {
+            let name = |d: usize| format!("d{d:03}");
+            let mut desired = NodeSlice::new();
+            for (d, g) in start {
+                desired.insert(key(&name(d)), entry(&name(d), g));
+            }
+            let (mut session, effects) =
+                Session::open("edge-1", "s1", desired.clone(), Some(Holdings::new()));
+            let mut agent = Holdings::new();
+            let mut unanswered = Vec::new();
+            // The agent stores each Update as it comes and answers later.
+            fn deliver(effects: Vec<Effect>, agent: &mut Holdings, unanswered: &mut Vec<String>) {
+                for update in updates(&effects) {
+                    for r in &update.upserts {
+                        let version = r.version.as_ref().expect("version");
+                        agent.insert(r.key.parse().expect("key"), version.into());
+                    }
+                    for k in &update.removals {
+                        agent.remove(&k.parse().expect("key"));
+                    }
+                    unanswered.push(update.nonce);
+                }
+            }
+            deliver(effects, &mut agent, &mut unanswered);
+            for step in steps {
+                let effects = match step {
+                    Step::Upsert(d, g) => {
+                        let mut next = desired.clone();
+                        next.insert(key(&name(d)), entry(&name(d), g));
+                        desired = next;
+                        session.slice_changed(desired.clone())
+                    }
+                    Step::Remove(d) => {
+                        let mut next = desired.clone();
+                        next.remove(&key(&name(d)));
+                        desired = next;
+                        session.slice_changed(desired.clone())
+                    }
+                    Step::Answer(_) if unanswered.is_empty() => continue,
+                    Step::Answer(i) => {
+                        let nonce = unanswered.remove(i % unanswered.len());
+                        session.received(ack(&nonce)).expect("an ack")
+                    }
+                };
+                deliver(effects, &mut agent, &mut unanswered);
+            }
+            while let Some(nonce) = unanswered.pop() {
+                let effects = session.received(ack(&nonce)).expect("an ack");
+                deliver(effects, &mut agent, &mut unanswered);
+            }
+            // A Device's generation only grows in the API server; here a
+            // lower one may follow, which the agent is not sent (it holds
+            // a newer one). Compare what must hold: every key, and a
+            // version at least as new.
+            let held: Vec<&ResourceKey> = agent.keys().collect();
+            let wanted: Vec<&ResourceKey> = desired.keys().collect();
+            proptest::prop_assert_eq!(held, wanted);
+            for (key, entry) in desired.iter() {
+                proptest::prop_assert!(!entry.version.is_newer_than(&agent[key]), "{key}");
+            }
+        }
     }
 
     fn inventory(held: &[(&str, i64)], more: bool) -> proto::AgentMessage {
