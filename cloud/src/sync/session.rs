@@ -950,7 +950,10 @@ mod tests {
     }
 
     fn entry(name: &str, generation: i64) -> Arc<Indexed> {
-        let (_, entry) = slice(&[(name, generation)]).into_iter().next().expect("one");
+        let (_, entry) = slice(&[(name, generation)])
+            .into_iter()
+            .next()
+            .expect("one");
         entry
     }
 
