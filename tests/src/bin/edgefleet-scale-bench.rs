@@ -91,13 +91,32 @@ struct Cloud {
 }
 
 impl Cloud {
+    /// Starts the controller on new ports.
     async fn start(
         namespace: &str,
         cli: &Cli,
         kubeconfig: &Path,
         log: &Path,
     ) -> anyhow::Result<Cloud> {
-        let (sync, metrics) = (free_tcp_addr(), free_tcp_addr());
+        Self::start_at(
+            (free_tcp_addr(), free_tcp_addr()),
+            namespace,
+            cli,
+            kubeconfig,
+            log,
+        )
+        .await
+    }
+
+    /// Starts the controller on the given sync and metrics addresses (a
+    /// restart: the agents reconnect to the address they know).
+    async fn start_at(
+        (sync, metrics): (SocketAddr, SocketAddr),
+        namespace: &str,
+        cli: &Cli,
+        kubeconfig: &Path,
+        log: &Path,
+    ) -> anyhow::Result<Cloud> {
         let args = vec![
             "run".into(),
             format!("--sync-addr={sync}"),
@@ -415,7 +434,9 @@ async fn measure(
     cloud.process.kill();
     let started = Instant::now();
     let log = cli.dir.join(format!("cloud-{}-restart.log", size.devices));
-    cloud = Cloud::start(&namespace, cli, kubeconfig, &log).await?;
+    let addresses = (cloud.sync, cloud.metrics);
+    drop(cloud);
+    cloud = Cloud::start_at(addresses, &namespace, cli, kubeconfig, &log).await?;
     wait_for("every agent resynced", || {
         fleet.counters().sessions() >= sessions_before + size.nodes as u64
             && fleet.open() == size.nodes
