@@ -25,10 +25,10 @@ use edgefleet_shared::ResourceKey;
 use edgefleet_shared::api::{Device, EdgeNode};
 use futures::StreamExt;
 use k8s_openapi::jiff::Timestamp;
+use kube::runtime::Controller;
 use kube::runtime::controller::Action;
 use kube::runtime::finalizer::{self, Event, finalizer};
-use kube::runtime::reflector::{ObjectRef, Store};
-use kube::runtime::{Controller, watcher};
+use kube::runtime::reflector::{ObjectRef, ReflectHandle, Store};
 use kube::{Api, Client, Resource, ResourceExt};
 
 use crate::agents::Agents;
@@ -41,11 +41,9 @@ pub const FINALIZER: &str = "edgefleet.io/cleanup";
 /// How long a deleted Device waits for a connected agent to drop it.
 pub const REMOVAL_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// What the reconciler works with: `devices` is the scope it reconciles
-/// (one namespace or all).
+/// What the reconciler works with.
 pub struct Context {
     client: Client,
-    devices: Api<Device>,
     status: StatusWriter,
     events: Events,
     agents: Arc<Agents>,
@@ -65,7 +63,6 @@ impl Context {
     /// The reconciler's context.
     pub fn new(
         client: Client,
-        devices: Api<Device>,
         status: StatusWriter,
         events: Events,
         agents: Arc<Agents>,
@@ -73,7 +70,6 @@ impl Context {
     ) -> Self {
         Context {
             client,
-            devices,
             status,
             events,
             agents,
@@ -83,9 +79,11 @@ impl Context {
     }
 }
 
-/// Reconciles Devices until the process ends.
-pub async fn run(context: Arc<Context>) {
-    Controller::new(context.devices.clone(), watcher::Config::default())
+/// Reconciles Devices until the process ends. The Devices come from the
+/// controller's one Device reflector (`devices`, its store, and `changes`,
+/// what it applies): the reconciler keeps no cache and no watch of its own.
+pub async fn run(context: Arc<Context>, changes: ReflectHandle<Device>, devices: Store<Device>) {
+    Controller::for_shared_stream(changes, devices)
         .run(reconcile, error_policy, context)
         .for_each(|result| async move {
             if let Err(error) = result {

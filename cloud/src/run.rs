@@ -98,7 +98,11 @@ impl Controller {
         let index = Arc::new(Index::default());
         let agents = Arc::new(Agents::default());
         let events = Events::new(client.clone(), settings.instance, settings.event_metrics);
-        let (devices, writer) = reflector::store::<Device>();
+        // The one Device cache: the index, the status writer, the rollout
+        // and rule reconcilers read it, and the Device reconciler is fed
+        // from it (no second watch, no second copy).
+        let (devices, writer) = reflector::store_shared::<Device>(RECONCILE_QUEUE);
+        let reconcile_changes = writer.subscribe().expect("a shared store");
         let status = StatusWriter::new(
             client.clone(),
             devices.clone(),
@@ -200,13 +204,16 @@ impl Controller {
         ));
         let context = Context::new(
             client.clone(),
-            devices_api,
             status.clone(),
             events.clone(),
             Arc::clone(&agents),
             edge_nodes,
         );
-        tasks.spawn(reconcile::run(Arc::new(context)));
+        tasks.spawn(reconcile::run(
+            Arc::new(context),
+            reconcile_changes,
+            devices.clone(),
+        ));
 
         let sync_addr = settings.sync_listener.local_addr()?;
         let sync_metrics = settings.sync_metrics;
@@ -361,6 +368,11 @@ pub(crate) fn watch_backoff() -> ResetTimerBackoff<watcher::ExponentialBackoff> 
     ResetTimerBackoff::new(retries.into(), std::time::Duration::from_secs(60))
 }
 
+/// How many changed Devices the reflector hands the Device reconciler
+/// before it waits for the reconciler to take them (the reconciler only
+/// queues them, so it waits briefly, even for a relist of 100,000).
+const RECONCILE_QUEUE: usize = 1024;
+
 /// Rules count the Devices they watch again at most this often while
 /// Devices change.
 const RULES_TRIGGER_PERIOD: std::time::Duration = std::time::Duration::from_secs(5);
@@ -383,7 +395,7 @@ async fn feed_index(
     let events = watcher(api, watcher::Config::default())
         .backoff(watch_backoff())
         .modify(strip_unused)
-        .reflect(writer);
+        .reflect_shared(writer);
     futures::pin_mut!(events);
     while let Some(event) = events.next().await {
         if matches!(
