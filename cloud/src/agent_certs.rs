@@ -296,13 +296,13 @@ fn validity(spec: &CertificateSigningRequestSpec) -> Duration {
 struct Context {
     csrs: Api<CertificateSigningRequest>,
     edge_nodes: Api<EdgeNode>,
-    ca: AgentCa,
+    ca: Arc<AgentCa>,
     outcomes: Outcomes,
 }
 
 /// Approves or denies, and signs, the CSRs of [`SIGNER`] until the watch
 /// ends. `outcomes` counts `issued` and each denial's reason.
-pub async fn run(client: Client, ca: AgentCa, outcomes: Outcomes) {
+pub async fn run(client: Client, ca: Arc<AgentCa>, outcomes: Outcomes) {
     let csrs: Api<CertificateSigningRequest> = Api::all(client.clone());
     let context = Arc::new(Context {
         csrs: csrs.clone(),

@@ -10,7 +10,8 @@
 //! [`events`]. The [`rollout`] reconciler runs FleetRollouts over the
 //! Devices. The [`rules`] reconciler accepts or refuses EdgeRules.
 //! [`liveness`] marks nodes without an agent unreachable after
-//! a grace period. [`tls`] secures the sync link. [`run`] wires them.
+//! a grace period. [`shards`] and [`leases`] share the fleet between
+//! replicas by edge node. [`tls`] secures the sync link. [`run`] wires them.
 //! [`crds`] renders the API definitions.
 
 #![forbid(unsafe_code)]
@@ -26,11 +27,13 @@ pub mod edge_node;
 pub mod events;
 pub mod index;
 pub mod lab_ca;
+pub mod leases;
 pub mod liveness;
 pub mod reconcile;
 pub mod rollout;
 pub mod rules;
 pub mod run;
+pub mod shards;
 pub mod status;
 pub mod sync;
 pub mod tls;

@@ -22,7 +22,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::reflector::Store;
-use kube::{Api, Client, ResourceExt};
+use kube::{Api, ResourceExt};
 
 use crate::agents::Agents;
 use crate::edge_node::HEARTBEAT_RESOLUTION;
@@ -31,8 +31,9 @@ use crate::status::{FIELD_MANAGER, NODE_UNREACHABLE, StatusChange, StatusWriter}
 
 /// What the watch over nodes needs.
 pub struct Liveness {
-    /// The EdgeNodes.
-    pub client: Client,
+    /// The EdgeNodes, written through the client of each node's shard;
+    /// only the nodes this replica serves are judged.
+    pub fence: crate::leases::Fence,
     /// The EdgeNode reflector.
     pub edge_nodes: Store<EdgeNode>,
     /// Which agents are connected.
@@ -57,7 +58,6 @@ impl Liveness {
     /// Checks every node a few times per grace period, until the process
     /// ends.
     pub async fn run(self) {
-        let api: Api<EdgeNode> = Api::all(self.client.clone());
         let mut marked: HashSet<String> = HashSet::new();
         let mut ticks = tokio::time::interval((self.grace / 4).max(Duration::from_millis(250)));
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -65,6 +65,10 @@ impl Liveness {
             ticks.tick().await;
             for node in self.edge_nodes.state() {
                 let name = node.name_any();
+                if !self.fence.serves(&name) {
+                    marked.remove(&name);
+                    continue;
+                }
                 if self.agents.is_connected(&name) {
                     marked.remove(&name);
                     continue;
@@ -78,6 +82,7 @@ impl Liveness {
                 if marked.contains(&name) || !self.gone_too_long(&node) {
                     continue;
                 }
+                let api: Api<EdgeNode> = Api::all(self.fence.node(&name));
                 match mark_unreachable(&api, &node, self.grace).await {
                     Ok(()) => {
                         tracing::warn!(node = %name, grace = ?self.grace, "no agent within the grace period: node unreachable");

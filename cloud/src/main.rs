@@ -125,6 +125,33 @@ struct RunArgs {
     /// with more agents than this.
     #[arg(long, env = "EDGEFLEET_MAX_PER_ADDRESS", default_value_t = Limits::default().max_per_address)]
     max_per_address: usize,
+    /// Share the fleet with other replicas: it is cut into this many
+    /// shards by edge node, each held by one replica through a Lease
+    /// (every replica must use the same number). Without it this replica
+    /// serves every node alone.
+    #[arg(long, env = "EDGEFLEET_SHARDS", value_parser = clap::value_parser!(u32).range(1..=1024), requires = "advertise_url")]
+    shards: Option<u32>,
+    /// The sync URL agents are sent to for the shards this replica holds
+    /// (in a cluster: `https://<pod IP>:7443`; the agents keep checking the
+    /// certificate against the name they were configured with).
+    #[arg(long, env = "EDGEFLEET_ADVERTISE_URL")]
+    advertise_url: Option<String>,
+    /// This replica's name among the others (in a cluster: the pod name).
+    /// Default: --instance, else the host name.
+    #[arg(long, env = "EDGEFLEET_REPLICA_ID")]
+    replica_id: Option<String>,
+    /// The namespace of the shard Leases.
+    #[arg(long, env = "EDGEFLEET_LEASE_NAMESPACE", default_value = "edgefleet-system")]
+    lease_namespace: String,
+    /// The name the shard Leases start with: replicas of one controller
+    /// share it.
+    #[arg(long, env = "EDGEFLEET_LEASE_SET", default_value = "edgefleet")]
+    lease_set: String,
+    /// How long a shard Lease lasts unrenewed (seconds): after a replica
+    /// dies or freezes its shards move within about this long, and it
+    /// writes nothing after 90% of it.
+    #[arg(long, env = "EDGEFLEET_LEASE_DURATION_SECONDS", default_value_t = 15, value_parser = clap::value_parser!(u64).range(2..=300))]
+    lease_duration_seconds: u64,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -186,6 +213,29 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         "device_keys",
         "Device key Secrets taken in, by outcome (taken, refused, unlabelled, ambiguous)",
     );
+    let lease_metrics = edgefleet_cloud::leases::LeaseMetrics::default();
+    lease_metrics.register(registry.sub_registry_with_prefix("leases"));
+    let replicas = match args.shards {
+        None => None,
+        Some(shards) => {
+            let replica = args
+                .replica_id
+                .clone()
+                .or_else(|| args.instance.clone())
+                .or_else(|| std::env::var("HOSTNAME").ok())
+                .context("--shards needs --replica-id (or --instance, or $HOSTNAME)")?;
+            Some(edgefleet_cloud::run::Replicas {
+                shards,
+                leases: edgefleet_cloud::leases::LeaseSettings {
+                    namespace: args.lease_namespace.clone(),
+                    set: args.lease_set.clone(),
+                    replica,
+                    serve_at: args.advertise_url.clone().unwrap_or_default(),
+                    duration: std::time::Duration::from_secs(args.lease_duration_seconds),
+                },
+            })
+        }
+    };
     let endpoints = tokio::spawn(telemetry::serve(
         metrics_listener,
         registry,
@@ -216,6 +266,8 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         }),
         token_recheck: edgefleet_cloud::sync::TOKEN_RECHECK,
         agent_ca,
+        replicas,
+        lease_metrics,
         limits: Limits {
             max_connections: args.max_connections,
             max_streams: args.max_connections,

@@ -29,10 +29,11 @@ use kube::runtime::Controller;
 use kube::runtime::controller::Action;
 use kube::runtime::finalizer::{self, Event, finalizer};
 use kube::runtime::reflector::{ObjectRef, ReflectHandle, Store};
-use kube::{Api, Client, Resource, ResourceExt};
+use kube::{Api, Resource, ResourceExt};
 
 use crate::agents::Agents;
 use crate::events::{Events, Note};
+use crate::leases::Fence;
 use crate::status::{StatusChange, StatusWriter};
 
 /// The finalizer on every Device the controller has seen.
@@ -43,7 +44,9 @@ pub const REMOVAL_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// What the reconciler works with.
 pub struct Context {
-    client: Client,
+    // Writes about a Device go through its node's shard client; Devices of
+    // nodes another replica serves are left to it.
+    fence: Fence,
     status: StatusWriter,
     events: Events,
     agents: Arc<Agents>,
@@ -62,14 +65,14 @@ impl std::fmt::Debug for Context {
 impl Context {
     /// The reconciler's context.
     pub fn new(
-        client: Client,
+        fence: Fence,
         status: StatusWriter,
         events: Events,
         agents: Arc<Agents>,
         edge_nodes: Store<EdgeNode>,
     ) -> Self {
         Context {
-            client,
+            fence,
             status,
             events,
             agents,
@@ -83,7 +86,10 @@ impl Context {
 /// controller's one Device reflector (`devices`, its store, and `changes`,
 /// what it applies): the reconciler keeps no cache and no watch of its own.
 pub async fn run(context: Arc<Context>, changes: ReflectHandle<Device>, devices: Store<Device>) {
+    // A shard taken over: its Devices are looked at again.
+    let moved = context.fence.changes();
     Controller::for_shared_stream(changes, devices)
+        .reconcile_all_on(moved)
         .run(reconcile, error_policy, context)
         .for_each(|result| async move {
             if let Err(error) = result {
@@ -97,8 +103,12 @@ async fn reconcile(
     device: Arc<Device>,
     context: Arc<Context>,
 ) -> Result<Action, finalizer::Error<Infallible>> {
+    if !context.fence.serves(&device.spec.node) {
+        return Ok(Action::await_change());
+    }
     let namespace = device.namespace().unwrap_or_default();
-    let api = Api::<Device>::namespaced(context.client.clone(), &namespace);
+    let client = context.fence.node(&device.spec.node);
+    let api = Api::<Device>::namespaced(client, &namespace);
     finalizer(&api, FINALIZER, device, |event| async {
         Ok(match event {
             Event::Apply(device) => context.accept(&device),

@@ -79,7 +79,9 @@ type Written = (String, FleetRolloutStatus);
 
 /// What the reconciler works with.
 pub struct Context {
+    // The singletons' client: it writes only while this replica leads.
     client: Client,
+    fence: crate::leases::Fence,
     devices: Store<Device>,
     edge_nodes: Store<EdgeNode>,
     agents: Arc<Agents>,
@@ -99,7 +101,7 @@ impl std::fmt::Debug for Context {
 impl Context {
     /// The reconciler's context; `budget` paces its writes.
     pub fn new(
-        client: Client,
+        fence: crate::leases::Fence,
         devices: Store<Device>,
         edge_nodes: Store<EdgeNode>,
         agents: Arc<Agents>,
@@ -107,7 +109,8 @@ impl Context {
         events: Events,
     ) -> Self {
         Context {
-            client,
+            client: fence.leader(),
+            fence,
             devices,
             edge_nodes,
             agents,
@@ -129,8 +132,10 @@ pub async fn run(
 ) {
     let controller = Controller::new(api, watcher::Config::default());
     let _ = context.rollouts.set(controller.store());
+    // Only the leader moves rollouts; one that takes over looks at them all.
+    let triggers = futures::stream::select(device_changes, context.fence.changes());
     controller
-        .reconcile_all_on(device_changes)
+        .reconcile_all_on(triggers)
         .run(reconcile, error_policy, context)
         .for_each(|result| async move {
             if let Err(error) = result {
@@ -168,6 +173,13 @@ async fn reconcile(
     rollout: Arc<FleetRollout>,
     context: Arc<Context>,
 ) -> Result<Action, finalizer::Error<Error>> {
+    if !context.fence.leads() {
+        // The leader moves rollouts. What this replica remembers of its own
+        // writes may be overtaken by then: start again from the API.
+        context.patched.lock().expect("patched").clear();
+        context.written.lock().expect("written").clear();
+        return Ok(Action::await_change());
+    }
     let api: Api<FleetRollout> = Api::namespaced(
         context.client.clone(),
         &rollout.namespace().unwrap_or_default(),
@@ -433,11 +445,14 @@ impl Context {
 
     /// How long `node` has been without an agent; `None` while it has one.
     fn away_ms(&self, node: &str, now: Timestamp) -> Option<i64> {
-        if self.agents.is_connected(node) {
-            return None;
-        }
-        if let Some(since) = self.agents.disconnected_since(node) {
-            return Some(since.elapsed().as_millis() as i64);
+        // Another replica's node: its EdgeNode says.
+        if self.fence.serves(node) {
+            if self.agents.is_connected(node) {
+                return None;
+            }
+            if let Some(since) = self.agents.disconnected_since(node) {
+                return Some(since.elapsed().as_millis() as i64);
+            }
         }
         // Not seen since this process started: the EdgeNode says how it was.
         let edge_node = self.edge_nodes.get(&ObjectRef::new(node));

@@ -42,7 +42,9 @@ pub const FINALIZER: &str = "edgefleet.io/rule";
 
 /// What the reconciler works with.
 pub struct Context {
+    // The singletons' client: it writes only while this replica leads.
     client: Client,
+    fence: crate::leases::Fence,
     devices: Store<Device>,
     edge_nodes: Store<EdgeNode>,
     budget: StatusWriter,
@@ -59,7 +61,7 @@ impl std::fmt::Debug for Context {
 impl Context {
     /// The reconciler's context; `budget` paces its writes.
     pub fn new(
-        client: Client,
+        fence: crate::leases::Fence,
         devices: Store<Device>,
         edge_nodes: Store<EdgeNode>,
         budget: StatusWriter,
@@ -67,7 +69,8 @@ impl Context {
         index: Arc<Index>,
     ) -> Self {
         Context {
-            client,
+            client: fence.leader(),
+            fence,
             devices,
             edge_nodes,
             budget,
@@ -88,8 +91,11 @@ pub async fn start(
 ) -> anyhow::Result<impl Future<Output = ()> + Send + 'static> {
     let controller = Controller::new(api, watcher::Config::default());
     let rules = controller.store();
+    // Every replica places rules in its index; the leader writes their
+    // status and finalizer, and one that takes over looks at them all.
+    let triggers = futures::stream::select(device_changes, context.fence.changes());
     let running = controller
-        .reconcile_all_on(device_changes)
+        .reconcile_all_on(triggers)
         .run(reconcile, error_policy, Arc::clone(&context))
         .for_each(|result| async move {
             if let Err(error) = result {
@@ -175,6 +181,13 @@ async fn reconcile(
     rule: Arc<EdgeRule>,
     context: Arc<Context>,
 ) -> Result<Action, finalizer::Error<Error>> {
+    if !context.fence.leads() {
+        match rule.metadata.deletion_timestamp {
+            Some(_) => context.index.unplace(&key_of(&rule)),
+            None => drop(context.distribute(&rule)),
+        }
+        return Ok(Action::await_change());
+    }
     let api: Api<EdgeRule> = Api::namespaced(
         context.client.clone(),
         &rule.namespace().unwrap_or_default(),

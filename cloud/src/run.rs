@@ -26,7 +26,9 @@ use crate::credentials::Credentials;
 use crate::device_events::{DeviceEventMetrics, DeviceEvents};
 use crate::events::{EventMetrics, Events};
 use crate::index::Index;
+use crate::leases::{Fence, LeaseMetrics, LeaseSettings};
 use crate::reconcile::{self, Context};
+use crate::shards::{Shards, shard_of};
 use crate::status::{StatusMetrics, StatusWriter};
 use crate::sync::admission::Admission;
 use crate::sync::{SyncMetrics, SyncParts, SyncService};
@@ -72,6 +74,20 @@ pub struct Settings {
     /// The CA that signs agents' client certificates (signer
     /// `edgefleet.io/agent`); without it, nothing answers those requests.
     pub agent_ca: Option<crate::agent_certs::AgentCa>,
+    /// Share the fleet with other replicas through shard Leases; `None`:
+    /// this replica is the only one and serves every node.
+    pub replicas: Option<Replicas>,
+    /// Counters of the shard Leases.
+    pub lease_metrics: LeaseMetrics,
+}
+
+/// How replicas share the fleet.
+#[derive(Debug, Clone)]
+pub struct Replicas {
+    /// Where the Leases are, who this replica is, where it serves agents.
+    pub leases: LeaseSettings,
+    /// How many shards the fleet is cut into (the same on every replica).
+    pub shards: u32,
 }
 
 /// A running controller.
@@ -97,6 +113,11 @@ impl Controller {
         };
         let index = Arc::new(Index::default());
         let agents = Arc::new(Agents::default());
+        let shards = Arc::new(match &settings.replicas {
+            Some(replicas) => Shards::shared(replicas.shards),
+            None => Shards::single(),
+        });
+        let fence = Fence::new(client.clone(), Arc::clone(&shards));
         let events = Events::new(client.clone(), settings.instance, settings.event_metrics);
         // The one Device cache: the index, the status writer, the rollout
         // and rule reconcilers read it, and the Device reconciler is fed
@@ -104,7 +125,7 @@ impl Controller {
         let (devices, writer) = reflector::store_shared::<Device>(RECONCILE_QUEUE);
         let reconcile_changes = writer.subscribe().expect("a shared store");
         let status = StatusWriter::new(
-            client.clone(),
+            fence.clone(),
             devices.clone(),
             settings.status_writes_per_second,
             settings.status_metrics,
@@ -112,6 +133,18 @@ impl Controller {
         );
         status.judge_reachability_by(Arc::clone(&agents));
         let mut tasks = JoinSet::new();
+        if let Some(replicas) = settings.replicas {
+            let writer = status.clone();
+            let count = shards.count();
+            tasks.spawn(crate::leases::keep(
+                client.clone(),
+                replicas.leases,
+                Arc::clone(&shards),
+                settings.lease_metrics,
+                // Another replica may have written the shard's Devices.
+                move |shard| writer.forget_nodes(|node| shard_of(node, count) == shard),
+            ));
+        }
 
         let (edge_nodes, edge_node_writer) = reflector::store::<EdgeNode>();
         let edge_node_events = watcher(
@@ -143,7 +176,7 @@ impl Controller {
         devices.wait_until_ready().await?;
         edge_nodes.wait_until_ready().await?;
         let liveness = crate::liveness::Liveness {
-            client: client.clone(),
+            fence: fence.clone(),
             edge_nodes: edge_nodes.clone(),
             agents: Arc::clone(&agents),
             index: Arc::clone(&index),
@@ -152,7 +185,7 @@ impl Controller {
         };
         tasks.spawn(liveness.run());
         let rollouts = crate::rollout::Context::new(
-            client.clone(),
+            fence.clone(),
             devices.clone(),
             edge_nodes.clone(),
             Arc::clone(&agents),
@@ -164,7 +197,7 @@ impl Controller {
             None => Api::<FleetRollout>::all(client.clone()),
         };
         let rules = crate::rules::Context::new(
-            client.clone(),
+            fence.clone(),
             devices.clone(),
             edge_nodes.clone(),
             status.clone(),
@@ -203,7 +236,7 @@ impl Controller {
             throttled(device_changes, ROLLOUT_TRIGGER_PERIOD),
         ));
         let context = Context::new(
-            client.clone(),
+            fence.clone(),
             status.clone(),
             events.clone(),
             Arc::clone(&agents),
@@ -223,11 +256,11 @@ impl Controller {
             .map(|ca| ca.certificate_pem.clone());
         match settings.agent_ca {
             Some(ca) => {
-                tasks.spawn(crate::agent_certs::run(
-                    client.clone(),
-                    ca,
-                    sync_metrics.agent_certificates.clone(),
-                ));
+                let (ca, outcomes) = (Arc::new(ca), sync_metrics.agent_certificates.clone());
+                let client = fence.leader();
+                tasks.spawn(crate::leases::while_leading(fence.clone(), move || {
+                    crate::agent_certs::run(client.clone(), Arc::clone(&ca), outcomes.clone())
+                }));
             }
             None => tracing::info!(
                 signer = crate::agent_certs::SIGNER,
@@ -255,6 +288,7 @@ impl Controller {
             auth,
             admission: Arc::clone(&admission),
             client,
+            fence,
             index,
             devices,
             status: status.clone(),

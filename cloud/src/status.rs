@@ -32,10 +32,11 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::reflector::{ObjectRef, Store};
-use kube::{Api, Client};
+use kube::Api;
 use tokio::sync::{Notify, mpsc};
 
 use crate::events::{Events, Note, resource_reference};
+use crate::leases::Fence;
 
 /// Status writes on their way at once (each for another device).
 pub const CONCURRENT_WRITES: usize = 8;
@@ -154,6 +155,10 @@ pub struct StatusMetrics {
     /// Writes the API server refused for good (400, 413, 422: another
     /// object by now, or a status the schema refuses), dropped.
     pub refused: prometheus_client::metrics::counter::Counter,
+    /// Changes dropped unwritten because this replica no longer serves the
+    /// Device's node (its shard moved): the agent sends them again to the
+    /// replica that does.
+    pub fenced: prometheus_client::metrics::counter::Counter,
     /// Devices with a status change not yet written (waiting or being
     /// written): the writer's backlog against its budget.
     pub backlog: prometheus_client::metrics::gauge::Gauge,
@@ -197,6 +202,11 @@ impl StatusMetrics {
             "refused",
             "Status writes the API server refused for good (400, 413, 422), dropped",
             self.refused.clone(),
+        );
+        registry.register(
+            "fenced",
+            "Status changes dropped unwritten because another replica serves the node now",
+            self.fenced.clone(),
         );
         registry.register(
             "backlog",
@@ -243,7 +253,8 @@ pub struct StatusWriter {
 }
 
 struct Inner {
-    client: Client,
+    // Writes about a Device go through the client of its node's shard.
+    fence: Fence,
     devices: Store<Device>,
     state: Mutex<State>,
     wake: Notify,
@@ -264,7 +275,7 @@ impl StatusWriter {
     /// A writer that makes at most `writes_per_second` status writes, reading
     /// Devices' current state from the reflector `devices`.
     pub fn new(
-        client: Client,
+        fence: Fence,
         devices: Store<Device>,
         writes_per_second: NonZeroU32,
         metrics: StatusMetrics,
@@ -272,7 +283,7 @@ impl StatusWriter {
     ) -> Self {
         StatusWriter {
             inner: Arc::new(Inner {
-                client,
+                fence,
                 devices,
                 state: Mutex::default(),
                 wake: Notify::new(),
@@ -464,7 +475,12 @@ impl StatusWriter {
             return Ok(());
         };
         let uid = device.metadata.uid.clone().unwrap_or_default();
-        let base = {
+        let node = device.spec.node.clone();
+        if !self.inner.fence.serves(&node) {
+            self.write_elsewhere(key, &device, &uid, &pending).await;
+            return Ok(());
+        }
+        let mut base = {
             let state = self.inner.state.lock().expect("status state");
             state
                 .written
@@ -473,6 +489,10 @@ impl StatusWriter {
                 .map(|(_, status)| status.clone())
                 .unwrap_or_else(|| device.status.clone().unwrap_or_default())
         };
+        if !self.inner.fence.leads() {
+            // The leader writes the rollout part; the latest seen is kept.
+            base.rollout = device.status.as_ref().and_then(|s| s.rollout.clone());
+        }
         let now = Timestamp::now();
         // The reconciler may have seen a generation this reflector has not
         // caught up with yet; the status is about the newest.
@@ -509,7 +529,7 @@ impl StatusWriter {
         }
 
         self.inner.limiter.until_ready().await;
-        let api: Api<Device> = Api::namespaced(self.inner.client.clone(), &key.namespace);
+        let api: Api<Device> = Api::namespaced(self.inner.fence.node(&node), &key.namespace);
         // The uid is a precondition (a JSON Patch `test`; server-side apply
         // ignores `metadata.uid`): if the Device was deleted and created
         // again since the reflector saw it, the write is refused instead of
@@ -578,6 +598,68 @@ impl StatusWriter {
                 Err(pending)
             }
         }
+    }
+
+    /// Changes about a Device whose node another replica serves now: they
+    /// are dropped uncompleted (its agent sends them again to that
+    /// replica), except a rollout part while this replica leads, which is
+    /// written alone (the leader runs the rollouts).
+    async fn write_elsewhere(
+        &self,
+        key: &ResourceKey,
+        device: &Device,
+        uid: &str,
+        pending: &Pending,
+    ) {
+        let part = pending.changes.iter().rev().find_map(|change| match change {
+            StatusChange::Rollout { uid: about, part } if about == uid => Some(part),
+            _ => None,
+        });
+        let shown = device.status.as_ref().and_then(|s| s.rollout.as_ref());
+        let Some(part) = part.filter(|p| Some(*p) != shown && self.inner.fence.leads()) else {
+            self.inner.metrics.fenced.inc();
+            return;
+        };
+        self.inner.limiter.until_ready().await;
+        let api: Api<Device> = Api::namespaced(self.inner.fence.leader(), &key.namespace);
+        let patch: json_patch::Patch = serde_json::from_value(serde_json::json!([
+            { "op": "test", "path": "/metadata/uid", "value": uid },
+            { "op": "add", "path": "/status/rollout", "value": part },
+        ]))
+        .expect("a test and an add are a JSON Patch");
+        let params = PatchParams {
+            field_manager: Some(FIELD_MANAGER.to_owned()),
+            ..Default::default()
+        };
+        match api
+            .patch_status(&key.name, &params, &Patch::Json::<()>(patch))
+            .await
+        {
+            Ok(_) => {
+                self.inner.metrics.writes.inc();
+            }
+            // The rollout shows it again at its next step if it is not
+            // shown by then.
+            Err(error) => {
+                self.inner.metrics.failures.inc();
+                tracing::debug!(device = %key, %error, "rollout part not written");
+            }
+        }
+    }
+
+    /// Forgets the Devices of the nodes `moved` says, as after taking over
+    /// their shard: another replica may have written them meanwhile.
+    pub fn forget_nodes(&self, moved: impl Fn(&str) -> bool) {
+        let devices = &self.inner.devices;
+        self.inner
+            .state
+            .lock()
+            .expect("status state")
+            .written
+            .retain(|key, _| {
+                let object = ObjectRef::<Device>::new(&key.name).within(&key.namespace);
+                devices.get(&object).is_some_and(|d| !moved(&d.spec.node))
+            });
     }
 
     /// Forgets every Device, as after a relist: the next write of each
@@ -992,6 +1074,7 @@ fn set_condition(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kube::Client;
 
     fn at(ms: i64) -> Timestamp {
         Timestamp::from_millisecond(ms).unwrap()
@@ -1130,7 +1213,7 @@ mod tests {
         let (devices, _writer) = kube::runtime::reflector::store::<Device>();
         let events = Events::new(client.clone(), None, Default::default());
         let writer = StatusWriter::new(
-            client,
+            Fence::single(client),
             devices,
             NonZeroU32::new(50).unwrap(),
             StatusMetrics::default(),
@@ -1160,7 +1243,7 @@ mod tests {
         let (devices, _writer) = kube::runtime::reflector::store::<Device>();
         let events = Events::new(client.clone(), None, Default::default());
         let writer = StatusWriter::new(
-            client,
+            Fence::single(client),
             devices,
             NonZeroU32::new(50).unwrap(),
             StatusMetrics::default(),

@@ -20,6 +20,11 @@ pub const UPLINK_WINDOW: usize = 2048;
 /// body is buffered: the stream ends with `OUT_OF_RANGE`.
 pub const MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
 
+/// The metadata key of a refusal (`UNAVAILABLE`) that names, as a URL,
+/// the controller replica serving the agent's node: the agent connects
+/// there next (keeping the TLS name of its configured endpoint).
+pub const REDIRECT_METADATA: &str = "edgefleet-redirect";
+
 /// Where Updates and Inventory parts are cut: at most this many bytes of
 /// entries each (one entry larger than it goes alone), so a node with many
 /// Devices or large desired states never needs a message near

@@ -29,6 +29,7 @@ pub mod node;
 pub mod powercut_fs;
 pub mod process;
 pub mod rollout_timeline;
+pub mod round_robin;
 pub mod rule_site;
 pub mod sim;
 pub mod stack;
@@ -186,6 +187,8 @@ pub fn in_process_controller(
         limits: Default::default(),
         token_recheck: edgefleet_cloud::sync::TOKEN_RECHECK,
         agent_ca: None,
+        replicas: None,
+        lease_metrics: Default::default(),
     }
 }
 

@@ -113,7 +113,7 @@ async fn only_an_edge_node_an_operator_made_for_certificates_gets_a_client_certi
     let outcomes = Outcomes::default();
     let signer = tokio::spawn(agent_certs::run(
         client.clone(),
-        AgentCa::load(dir.path()).unwrap(),
+        std::sync::Arc::new(AgentCa::load(dir.path()).unwrap()),
         outcomes.clone(),
     ));
 

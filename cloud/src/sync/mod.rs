@@ -35,6 +35,7 @@ use crate::device_events::DeviceEvents;
 use crate::edge_node::NodeStatus;
 use crate::events::{Events, Note, resource_reference};
 use crate::index::{Index, NodeSlice};
+use crate::leases::Fence;
 use crate::status::{Completion, StatusChange, StatusWriter};
 use admission::{Admission, Bound, Peer, Place};
 
@@ -154,6 +155,7 @@ impl SyncMetrics {
 #[derive(Clone)]
 pub struct SyncService {
     client: kube::Client,
+    fence: Fence,
     index: Arc<Index>,
     devices: reflector::Store<Device>,
     status: StatusWriter,
@@ -173,6 +175,8 @@ pub struct SyncService {
 pub struct SyncParts {
     /// For EdgeNodes.
     pub client: kube::Client,
+    /// Which nodes this replica serves, and the clients that write for them.
+    pub fence: Fence,
     /// The desired state by node.
     pub index: Arc<Index>,
     /// The Device reflector's store, for what their statuses say was
@@ -201,6 +205,7 @@ impl SyncService {
     pub fn new(parts: SyncParts) -> Self {
         let SyncParts {
             client,
+            fence,
             index,
             devices,
             status,
@@ -213,6 +218,7 @@ impl SyncService {
         } = parts;
         SyncService {
             client,
+            fence,
             index,
             devices,
             status,
@@ -329,6 +335,10 @@ impl proto::sync_server::Sync for SyncService {
                 hello.node
             )));
         }
+        if !self.fence.serves(&hello.node) {
+            self.metrics.refused.inc("elsewhere");
+            return Err(elsewhere(&hello.node, self.fence.shards().served_at(&hello.node)));
+        }
         let opening = Opening::of(&hello).map_err(|error| {
             self.metrics.refused.inc(error.label());
             Status::invalid_argument(format!("Hello from {}: {error}", hello.node))
@@ -339,7 +349,7 @@ impl proto::sync_server::Sync for SyncService {
         }
         tracing::info!(node = %hello.node, agent = %hello.agent_version, boot = %hello.boot_id, store = %hello.store_id, held = hello.held_count.max(hello.held.len() as u32), "agent connected");
 
-        let node_status = NodeStatus::new(self.client.clone(), &hello.node);
+        let node_status = NodeStatus::new(self.fence.node(&hello.node), &hello.node);
         let (tx, rx) = mpsc::channel(16);
         let session = Driver {
             id: self.sessions.fetch_add(1, Ordering::Relaxed),
@@ -356,6 +366,7 @@ impl proto::sync_server::Sync for SyncService {
             _place: place,
             identity: authenticated,
             token_recheck: self.token_recheck,
+            fence: self.fence.clone(),
         };
         tokio::spawn(session.run(opening, hello, inbound, tx, node_status));
         Ok(Response::new(ReceiverStream::new(rx)))
@@ -508,6 +519,23 @@ struct Driver {
     // The token it was let in with, reviewed again every `token_recheck`.
     identity: Option<Authenticated>,
     token_recheck: Duration,
+    // Ends the session once another replica serves the node.
+    fence: Fence,
+}
+
+/// The refusal of a session for a node another replica serves: `unavailable`
+/// (the agent retries), with where to go in [`proto::REDIRECT_METADATA`]
+/// when the serving replica said.
+fn elsewhere(node: &str, served_at: Option<String>) -> Status {
+    let mut status = Status::unavailable(format!(
+        "node {node} is served by another replica of the controller"
+    ));
+    if let Some(url) = served_at.and_then(|url| url.parse().ok()) {
+        status
+            .metadata_mut()
+            .insert(proto::REDIRECT_METADATA, url);
+    }
+    status
 }
 
 /// Why a driven session ended.
@@ -527,6 +555,8 @@ enum Ended {
     Silent(Duration),
     #[error("its credentials no longer hold: {0}")]
     Revoked(String),
+    #[error("another replica serves the node now")]
+    Moved,
 }
 
 impl Driver {
@@ -560,6 +590,7 @@ impl Driver {
         let (metrics, node) = (Arc::clone(&self.metrics), self.node.clone());
         // A deleted pod's token ends its session too.
         let (identity, recheck) = (self.identity.take(), self.token_recheck);
+        let fence = self.fence.clone();
         let talk = async {
             self.carry_out(effects, &tx, &done_tx, &figures).await?;
             loop {
@@ -633,11 +664,27 @@ impl Driver {
             metrics.authentications.inc("revoked");
             Err::<(), _>(Ended::Revoked(reason))
         };
+        let moved = async {
+            let mut changes = fence.shards().subscribe();
+            // The shard's time also runs out without a change being told
+            // (a paused process): look at least every second.
+            while fence.serves(&node) {
+                let _ = tokio::time::timeout(Duration::from_secs(1), changes.changed()).await;
+            }
+            Err::<(), _>(Ended::Moved)
+        };
         let result: Result<(), Ended> = tokio::select! {
             ended = talk => ended,
             ended = silent => ended,
             ended = revoked => ended,
+            ended = moved => ended,
         };
+        if let Err(Ended::Moved) = &result {
+            // Told where to go; what it sent and was not acknowledged it
+            // sends again there.
+            let refusal = elsewhere(&self.node, self.fence.shards().served_at(&self.node));
+            let _ = tx.try_send(Err(refusal));
+        }
         self.metrics.streams.dec();
         self.agents.disconnected(&self.node, self.id);
         // Dropping the figures' sender ends the EdgeNode task, which

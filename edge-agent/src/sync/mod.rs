@@ -248,7 +248,10 @@ fn causes(error: &dyn std::error::Error) -> String {
     text
 }
 
-/// Runs sync sessions until the process ends, reconnecting after each.
+/// Runs sync sessions until the process ends, reconnecting after each. A
+/// replica that does not serve this node refuses with where to go
+/// ([`proto::REDIRECT_METADATA`]): the next attempt goes there at once, and
+/// back to `settings.cloud` if that fails.
 pub async fn run(settings: SyncSettings, store: Store) {
     let backoff = || {
         ExponentialBuilder::default()
@@ -259,21 +262,70 @@ pub async fn run(settings: SyncSettings, store: Store) {
             .build()
     };
     let mut delays = backoff();
+    let mut redirect: Option<String> = None;
+    // Redirects followed in a row: a loop of stale ones backs off.
+    let mut followed = 0u32;
     loop {
         settings.liveness.alive();
         let mut opened = false;
-        match session(&settings, &store, &mut opened).await {
-            Ok(()) => tracing::info!(cloud = %settings.cloud, "cloud closed the sync stream"),
-            Err(error) => tracing::warn!(cloud = %settings.cloud, %error, "sync session ended"),
+        let here = match redirect.take() {
+            Some(url) => redirected(&settings, url),
+            None => settings.clone(),
+        };
+        let ended = session(&here, &store, &mut opened).await;
+        match &ended {
+            Ok(()) => tracing::info!(cloud = %here.cloud, "cloud closed the sync stream"),
+            Err(error) => tracing::warn!(cloud = %here.cloud, %error, "sync session ended"),
         }
         // After a session that got its stream open, start the backoff over.
         if opened {
             delays = backoff();
         }
-        let delay = delays.next().unwrap_or(Duration::from_secs(15));
+        redirect = ended.err().as_ref().and_then(redirect_of);
+        let delay = match &redirect {
+            Some(url) if followed < 3 => {
+                followed += 1;
+                tracing::info!(to = %url, "another controller replica serves this node: going there");
+                Duration::from_millis(20)
+            }
+            _ => {
+                followed = 0;
+                delays.next().unwrap_or(Duration::from_secs(15))
+            }
+        };
         settings.liveness.alive();
         tokio::time::sleep(delay).await;
     }
+}
+
+/// Where a refusal says to go, if it says.
+fn redirect_of(error: &SyncError) -> Option<String> {
+    let SyncError::Stream(status) = error else {
+        return None;
+    };
+    if status.code() != tonic::Code::Unavailable {
+        return None;
+    }
+    let url = status.metadata().get(proto::REDIRECT_METADATA)?.to_str().ok()?;
+    tonic::transport::Endpoint::from_shared(url.to_owned()).ok()?;
+    Some(url.to_owned())
+}
+
+/// `settings` aimed at `url`, a replica's own address: its certificate is
+/// still checked against the name of the configured endpoint.
+fn redirected(settings: &SyncSettings, url: String) -> SyncSettings {
+    let mut here = settings.clone();
+    if let Some(tls) = &mut here.tls
+        && tls.server_name.is_none()
+    {
+        tls.server_name = settings
+            .cloud
+            .parse::<tonic::codegen::http::Uri>()
+            .ok()
+            .and_then(|uri| uri.host().map(|h| h.trim_matches(['[', ']']).to_owned()));
+    }
+    here.cloud = url;
+    here
 }
 
 /// One session: Hello, then updates in and the outbox out until the stream
