@@ -141,7 +141,11 @@ struct RunArgs {
     #[arg(long, env = "EDGEFLEET_REPLICA_ID")]
     replica_id: Option<String>,
     /// The namespace of the shard Leases.
-    #[arg(long, env = "EDGEFLEET_LEASE_NAMESPACE", default_value = "edgefleet-system")]
+    #[arg(
+        long,
+        env = "EDGEFLEET_LEASE_NAMESPACE",
+        default_value = "edgefleet-system"
+    )]
     lease_namespace: String,
     /// The name the shard Leases start with: replicas of one controller
     /// share it.

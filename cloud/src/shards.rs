@@ -114,7 +114,10 @@ impl Shards {
     /// and it said where.
     pub fn served_at(&self, node: &str) -> Option<String> {
         let held = self.held.as_ref()?.lock().expect("shards");
-        held.served_at.get(self.of(node) as usize).cloned().flatten()
+        held.served_at
+            .get(self.of(node) as usize)
+            .cloned()
+            .flatten()
     }
 
     /// Told (a counter moves) whenever a shard is taken, given up or

@@ -30,9 +30,9 @@ use edgefleet_shared::{PropertyValue, ResourceKey};
 use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
+use kube::Api;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::reflector::{ObjectRef, Store};
-use kube::Api;
 use tokio::sync::{Notify, mpsc};
 
 use crate::events::{Events, Note, resource_reference};
@@ -611,10 +611,14 @@ impl StatusWriter {
         uid: &str,
         pending: &Pending,
     ) {
-        let part = pending.changes.iter().rev().find_map(|change| match change {
-            StatusChange::Rollout { uid: about, part } if about == uid => Some(part),
-            _ => None,
-        });
+        let part = pending
+            .changes
+            .iter()
+            .rev()
+            .find_map(|change| match change {
+                StatusChange::Rollout { uid: about, part } if about == uid => Some(part),
+                _ => None,
+            });
         let shown = device.status.as_ref().and_then(|s| s.rollout.as_ref());
         let Some(part) = part.filter(|p| Some(*p) != shown && self.inner.fence.leads()) else {
             self.inner.metrics.fenced.inc();

@@ -41,6 +41,8 @@ pub struct Counters {
     updates: AtomicU64,
     /// Sessions that ended with an error (refused, cut, closed).
     session_errors: AtomicU64,
+    /// Refusals that named the replica serving the node (followed).
+    redirects: AtomicU64,
     /// The last of those errors.
     last_error: Mutex<Option<String>>,
 }
@@ -68,6 +70,11 @@ impl Counters {
     /// Sessions ended by an error so far.
     pub fn session_errors(&self) -> u64 {
         Self::get(&self.session_errors)
+    }
+
+    /// Redirects to another controller replica followed so far.
+    pub fn redirects(&self) -> u64 {
+        Self::get(&self.redirects)
     }
 
     /// The last session error, with its node.
@@ -188,9 +195,22 @@ async fn run(
     counters: Arc<Counters>,
 ) {
     let mut delay = Duration::from_millis(200);
+    let mut redirect: Option<String> = None;
     loop {
-        let opened = talk(&cloud, heartbeat, &agent, &arrivals, &counters).await;
+        let here = redirect.take().unwrap_or_else(|| cloud.clone());
+        let opened = talk(&here, heartbeat, &agent, &arrivals, &counters).await;
         agent.open.store(false, Ordering::Relaxed);
+        // A replica that does not serve the node says which one does.
+        redirect = opened.as_ref().err().and_then(|error| {
+            let status = error.downcast_ref::<tonic::Status>()?;
+            let url = status.metadata().get(proto::REDIRECT_METADATA)?;
+            Some(url.to_str().ok()?.to_owned())
+        });
+        if redirect.is_some() {
+            counters.redirects.fetch_add(1, Ordering::Relaxed);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            continue;
+        }
         if let Err(error) = opened {
             counters.session_errors.fetch_add(1, Ordering::Relaxed);
             *counters.last_error.lock().expect("last error") =

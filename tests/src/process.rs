@@ -173,6 +173,13 @@ impl Process {
         Some(kib * 1024)
     }
 
+    /// Sends `signal` (say SIGSTOP to freeze it, SIGCONT to let it go on).
+    pub fn signal(&self, signal: nix::sys::signal::Signal) -> anyhow::Result<()> {
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(self.child.id())?);
+        nix::sys::signal::kill(pid, signal)?;
+        Ok(())
+    }
+
     /// Sends SIGKILL and waits for the process to go.
     pub fn kill(&mut self) {
         let _ = self.child.kill();

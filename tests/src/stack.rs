@@ -18,6 +18,7 @@ use crate::agent_tokens::{self, AgentPod};
 use crate::certs::{self, LabCa};
 use crate::fault::FaultProxy;
 use crate::process::{Process, binary, free_tcp_addr, free_udp_addr, http_get};
+use crate::round_robin::RoundRobin;
 
 /// Field manager of the Devices the stack applies.
 pub const FIELD_MANAGER: &str = "edgefleet-up";
@@ -80,15 +81,49 @@ pub struct Stack {
     pub tls: LabCa,
     cloud_args: Vec<String>,
     kubeconfig: PathBuf,
-    cloud: Process,
+    /// The controller, or its replicas (the first is `cloud_metrics`'s).
+    clouds: Vec<Replica>,
+    /// In front of the replicas, when there are several.
+    service: Option<RoundRobin>,
     sim: Option<Process>,
 }
+
+/// One controller replica of a [`Stack`].
+#[derive(Debug)]
+pub struct Replica {
+    /// Its name among the replicas (`--replica-id`).
+    pub id: String,
+    /// Its `/metrics`.
+    pub metrics: SocketAddr,
+    /// Its own sync address (agents reach it through the stack's service).
+    pub sync: SocketAddr,
+    process: Process,
+}
+
+/// How many shards a replicated stack's fleet is cut into.
+pub const SHARDS: u32 = 6;
+
+/// The shard Leases of a replicated stack last this long (seconds).
+pub const LEASE_SECONDS: u64 = 3;
 
 impl Stack {
     /// Starts the controller (with `kubeconfig`) and the agents, and waits
     /// until each answers on its health endpoint.
     pub async fn start(spec: StackSpec, kubeconfig: &Path) -> anyhow::Result<Stack> {
-        Self::start_with_broker(spec, kubeconfig, None).await
+        Self::launch(spec, kubeconfig, None, 1).await
+    }
+
+    /// [`Stack::start`] with `replicas` controller replicas sharing the
+    /// fleet through [`SHARDS`] shard Leases (in the fleet's namespace,
+    /// lasting [`LEASE_SECONDS`]), behind a round-robin forwarder the
+    /// agents dial, as they would a Service. Returns once every shard is
+    /// held and every agent answers.
+    pub async fn start_replicated(
+        spec: StackSpec,
+        kubeconfig: &Path,
+        replicas: usize,
+    ) -> anyhow::Result<Stack> {
+        Self::launch(spec, kubeconfig, None, replicas).await
     }
 
     /// [`Stack::start`], with the agents on an external MQTT broker at
@@ -97,6 +132,15 @@ impl Stack {
         spec: StackSpec,
         kubeconfig: &Path,
         broker: Option<SocketAddr>,
+    ) -> anyhow::Result<Stack> {
+        Self::launch(spec, kubeconfig, broker, 1).await
+    }
+
+    async fn launch(
+        spec: StackSpec,
+        kubeconfig: &Path,
+        broker: Option<SocketAddr>,
+        replicas: usize,
     ) -> anyhow::Result<Stack> {
         std::fs::create_dir_all(&spec.dir)?;
         for name in ["edgefleet-cloud", "edgefleet-agent", "edgefleet-sim"] {
@@ -129,8 +173,42 @@ impl Stack {
             cloud_args.push(format!("--namespace={}", spec.namespace));
         }
         cloud_args.extend(spec.cloud_args.iter().cloned());
-        let cloud = start_cloud(&spec.dir, &cloud_args, kubeconfig, 0)?;
-        wait_http(cloud_metrics, "/readyz", "the cloud controller").await?;
+        let mut clouds = Vec::new();
+        let (sync, service) = match replicas {
+            0 | 1 => {
+                let process = start_cloud(&spec.dir, &cloud_args, kubeconfig, 0)?;
+                wait_http(cloud_metrics, "/readyz", "the cloud controller").await?;
+                clouds.push(Replica {
+                    id: "cloud".into(),
+                    metrics: cloud_metrics,
+                    sync,
+                    process,
+                });
+                (sync, None)
+            }
+            n => {
+                for i in 0..n {
+                    let (sync, metrics) = match i {
+                        0 => (sync, cloud_metrics),
+                        _ => (free_tcp_addr(), free_tcp_addr()),
+                    };
+                    clouds.push(start_replica(
+                        &spec,
+                        &cloud_args,
+                        kubeconfig,
+                        i,
+                        sync,
+                        metrics,
+                    )?);
+                }
+                for replica in &clouds {
+                    wait_http(replica.metrics, "/readyz", &replica.id).await?;
+                }
+                wait_all_shards_held(&clouds).await?;
+                let service = RoundRobin::start(clouds.iter().map(|r| r.sync).collect()).await?;
+                (service.addr(), Some(service))
+            }
+        };
 
         let mut agents = Vec::new();
         for (node, token_file) in spec.nodes.iter().zip(token_files) {
@@ -180,7 +258,8 @@ impl Stack {
             tls,
             cloud_args,
             kubeconfig: kubeconfig.to_owned(),
-            cloud,
+            clouds,
+            service,
             sim: None,
         })
     }
@@ -233,7 +312,7 @@ impl Stack {
 
     /// Fails if a process of the stack has exited.
     pub fn check_running(&mut self) -> anyhow::Result<()> {
-        let mut all = vec![&mut self.cloud];
+        let mut all: Vec<&mut Process> = self.clouds.iter_mut().map(|c| &mut c.process).collect();
         all.extend(self.agents.iter_mut().map(|a| &mut a.process));
         all.extend(self.sim.as_mut());
         for process in all {
@@ -302,9 +381,10 @@ impl Stack {
         F: FnOnce() -> Fut,
         Fut: std::future::Future<Output = ()>,
     {
-        self.cloud.kill();
+        self.clouds[0].process.kill();
         meanwhile().await;
-        self.cloud = start_cloud(&self.spec.dir, &self.cloud_args, &self.kubeconfig, 1)?;
+        self.clouds[0].process =
+            start_cloud(&self.spec.dir, &self.cloud_args, &self.kubeconfig, 1)?;
         wait_http(
             self.cloud_metrics,
             "/readyz",
@@ -326,7 +406,7 @@ impl Stack {
     /// Resident memory of the controller and of each agent, in bytes.
     pub fn memory(&self) -> (Option<u64>, Vec<Option<u64>>) {
         (
-            self.cloud.rss_bytes(),
+            self.clouds[0].process.rss_bytes(),
             self.agents.iter().map(|a| a.process.rss_bytes()).collect(),
         )
     }
@@ -337,7 +417,119 @@ impl Stack {
         for agent in &mut self.agents {
             agent.process.stop(Duration::from_secs(10));
         }
-        self.cloud.stop(Duration::from_secs(10));
+        for cloud in &mut self.clouds {
+            cloud.process.stop(Duration::from_secs(10));
+        }
+    }
+
+    /// The controller replicas.
+    pub fn replicas(&self) -> &[Replica] {
+        &self.clouds
+    }
+
+    /// Kills replica `index` with SIGKILL (it stays down; the service
+    /// skips it).
+    pub fn kill_replica(&mut self, index: usize) {
+        self.clouds[index].process.kill();
+    }
+
+    /// Freezes replica `index` (SIGSTOP) or lets it go on (SIGCONT).
+    pub fn freeze_replica(&mut self, index: usize, frozen: bool) -> anyhow::Result<()> {
+        use nix::sys::signal::Signal;
+        let signal = if frozen {
+            Signal::SIGSTOP
+        } else {
+            Signal::SIGCONT
+        };
+        self.clouds[index].process.signal(signal)
+    }
+
+    /// Starts one more replica behind the service; returns once it is
+    /// ready (not once it holds shards).
+    pub async fn add_replica(&mut self) -> anyhow::Result<()> {
+        let service = self.service.as_ref().context("a replicated stack")?;
+        let (sync, metrics) = (free_tcp_addr(), free_tcp_addr());
+        let index = self.clouds.len();
+        let replica = start_replica(
+            &self.spec,
+            &self.cloud_args,
+            &self.kubeconfig,
+            index,
+            sync,
+            metrics,
+        )?;
+        wait_http(metrics, "/readyz", &replica.id).await?;
+        service.add(sync);
+        self.clouds.push(replica);
+        Ok(())
+    }
+
+    /// The value of `sample` on replica `index`'s `/metrics`; 0 when
+    /// absent or unreachable.
+    pub async fn replica_metric(&self, index: usize, sample: &str) -> f64 {
+        let body = crate::process::http_get(self.clouds[index].metrics, "/metrics")
+            .await
+            .map(|(_, body)| body)
+            .unwrap_or_default();
+        crate::process::metric(&body, sample)
+    }
+}
+
+/// Starts replica `index` of a replicated stack on its own ports.
+fn start_replica(
+    spec: &StackSpec,
+    cloud_args: &[String],
+    kubeconfig: &Path,
+    index: usize,
+    sync: SocketAddr,
+    metrics: SocketAddr,
+) -> anyhow::Result<Replica> {
+    let id = format!("replica-{index}");
+    let mut args: Vec<String> = cloud_args
+        .iter()
+        .filter(|a| !a.starts_with("--sync-addr=") && !a.starts_with("--metrics-addr="))
+        .cloned()
+        .collect();
+    args.extend([
+        format!("--sync-addr={sync}"),
+        format!("--metrics-addr={metrics}"),
+        format!("--shards={SHARDS}"),
+        format!("--replica-id={id}"),
+        format!("--instance={id}"),
+        format!("--advertise-url=https://{sync}"),
+        format!("--lease-namespace={}", spec.namespace),
+        format!("--lease-duration-seconds={LEASE_SECONDS}"),
+    ]);
+    let env = [("KUBECONFIG", kubeconfig.display().to_string())];
+    let log = spec.dir.join(format!("{id}.log"));
+    let process = Process::start_logged("edgefleet-cloud", &args, &env, Some(&log))?;
+    Ok(Replica {
+        id,
+        metrics,
+        sync,
+        process,
+    })
+}
+
+/// Waits until the replicas together hold every shard.
+async fn wait_all_shards_held(clouds: &[Replica]) -> anyhow::Result<()> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let mut held = 0.0;
+        for replica in clouds {
+            let body = http_get(replica.metrics, "/metrics")
+                .await
+                .map(|(_, body)| body)
+                .unwrap_or_default();
+            held += crate::process::metric(&body, "edgefleet_cloud_leases_shards_held");
+        }
+        if held >= f64::from(SHARDS) {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("the replicas hold {held} of {SHARDS} shards after 60 s");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
 

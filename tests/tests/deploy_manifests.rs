@@ -93,6 +93,7 @@ async fn every_install_manifest_is_accepted_with_strict_validation() {
         "Role",
         "RoleBinding",
         "Deployment",
+        "PodDisruptionBudget",
         "Service",
         "DaemonSet",
     ] {
@@ -106,7 +107,7 @@ async fn every_install_manifest_is_accepted_with_strict_validation() {
         .get("edgefleet-cloud")
         .await
         .unwrap();
-    assert_eq!(deployment.spec.unwrap().replicas, Some(1));
+    assert_eq!(deployment.spec.unwrap().replicas, Some(3));
     let daemonset: DaemonSet = Api::namespaced(client.clone(), SYSTEM_NAMESPACE)
         .get("edgefleet-agent")
         .await
@@ -402,6 +403,7 @@ async fn the_controller_may_do_what_it_does_and_nothing_else() {
         ("create", "events.k8s.io", "events", some_ns),
         ("patch", "events.k8s.io", "events", some_ns),
         ("get", "coordination.k8s.io", "leases", own_ns),
+        ("list", "coordination.k8s.io", "leases", own_ns),
         ("create", "coordination.k8s.io", "leases", own_ns),
         ("update", "coordination.k8s.io", "leases", own_ns),
         // Device keys: Secrets of type edgefleet.io/device-psk, listed and
@@ -760,6 +762,51 @@ fn the_pieces_fit_together() {
             "the Service's selector misses the pods"
         );
     }
+
+    // Three replicas, one down at a time at most, spread over machines,
+    // each sharing the fleet (shards, its pod as replica id, its own
+    // address for the agents it is sent).
+    let cloud_spec = cloud.spec.as_ref().unwrap();
+    assert_eq!(cloud_spec.replicas, Some(3));
+    let budget = find(&manifests, "PodDisruptionBudget", "edgefleet-cloud")
+        .typed::<k8s_openapi::api::policy::v1::PodDisruptionBudget>();
+    let budget = budget.spec.unwrap();
+    assert_eq!(budget.min_available, Some(IntOrString::Int(2)));
+    let budget_selector = budget.selector.unwrap().match_labels.unwrap_or_default();
+    assert!(!budget_selector.is_empty());
+    for (key, value) in &budget_selector {
+        assert_eq!(
+            pod_labels.get(key),
+            Some(value),
+            "the budget misses the pods"
+        );
+    }
+    let spread = cloud_template
+        .spec
+        .as_ref()
+        .unwrap()
+        .topology_spread_constraints
+        .clone()
+        .unwrap_or_default();
+    assert!(
+        spread
+            .iter()
+            .any(|c| c.topology_key == "kubernetes.io/hostname"
+                && c.when_unsatisfiable == "DoNotSchedule"),
+        "one replica per machine: {spread:?}"
+    );
+    let env: BTreeMap<String, String> = cloud_container
+        .env
+        .iter()
+        .flatten()
+        .map(|v| (v.name.clone(), v.value.clone().unwrap_or_default()))
+        .collect();
+    assert!(env.contains_key("EDGEFLEET_SHARDS"));
+    assert!(env.contains_key("EDGEFLEET_REPLICA_ID"));
+    assert_eq!(
+        env.get("EDGEFLEET_ADVERTISE_URL").map(String::as_str),
+        Some("https://$(POD_IP):7443")
+    );
     let mut service_ports = BTreeMap::new();
     for port in service_spec.ports.iter().flatten() {
         let Some(IntOrString::String(target)) = &port.target_port else {

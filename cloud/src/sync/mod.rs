@@ -337,7 +337,10 @@ impl proto::sync_server::Sync for SyncService {
         }
         if !self.fence.serves(&hello.node) {
             self.metrics.refused.inc("elsewhere");
-            return Err(elsewhere(&hello.node, self.fence.shards().served_at(&hello.node)));
+            return Err(elsewhere(
+                &hello.node,
+                self.fence.shards().served_at(&hello.node),
+            ));
         }
         let opening = Opening::of(&hello).map_err(|error| {
             self.metrics.refused.inc(error.label());
@@ -531,9 +534,7 @@ fn elsewhere(node: &str, served_at: Option<String>) -> Status {
         "node {node} is served by another replica of the controller"
     ));
     if let Some(url) = served_at.and_then(|url| url.parse().ok()) {
-        status
-            .metadata_mut()
-            .insert(proto::REDIRECT_METADATA, url);
+        status.metadata_mut().insert(proto::REDIRECT_METADATA, url);
     }
     status
 }

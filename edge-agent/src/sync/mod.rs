@@ -306,7 +306,11 @@ fn redirect_of(error: &SyncError) -> Option<String> {
     if status.code() != tonic::Code::Unavailable {
         return None;
     }
-    let url = status.metadata().get(proto::REDIRECT_METADATA)?.to_str().ok()?;
+    let url = status
+        .metadata()
+        .get(proto::REDIRECT_METADATA)?
+        .to_str()
+        .ok()?;
     tonic::transport::Endpoint::from_shared(url.to_owned()).ok()?;
     Some(url.to_owned())
 }

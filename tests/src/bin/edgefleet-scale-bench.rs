@@ -14,7 +14,11 @@
 //!   API server's own floor in the same run (until a watch sees the patch);
 //! - a controller restart (`kill -9`) with every agent connected: time
 //!   until every agent has opened a new session and holds what it should,
-//!   and how many the controller asked for a full inventory.
+//!   and how many the controller asked for a full inventory;
+//! - with `--failover` (3 replicas sharing the fleet through shard Leases,
+//!   behind a round-robin forwarder standing in for the Service): the
+//!   `kill -9` of a replica, then of the leader, and the time until its
+//!   shards are taken over and until every agent has re-homed.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -55,7 +59,19 @@ struct Cli {
     /// Where logs and results go.
     #[arg(long, default_value = "/tmp/edgefleet-scale-bench")]
     dir: PathBuf,
+    /// The failover phase's fleet, as DEVICES:NODES (none if empty).
+    #[arg(long, default_value = "1000:100")]
+    failover: String,
+    /// Replicas in the failover phase.
+    #[arg(long, default_value_t = 3)]
+    replicas: usize,
+    /// Their shard Leases' duration (seconds; the Deployment's is 15).
+    #[arg(long, default_value_t = 15)]
+    lease_seconds: u64,
 }
+
+/// Shards in the failover phase (the Deployment's number).
+const SHARDS: u32 = 12;
 
 /// How long any one phase may take before the bench gives up on it.
 const PATIENCE: Duration = Duration::from_secs(1800);
@@ -104,6 +120,7 @@ impl Cloud {
             cli,
             kubeconfig,
             log,
+            &[],
         )
         .await
     }
@@ -116,8 +133,9 @@ impl Cloud {
         cli: &Cli,
         kubeconfig: &Path,
         log: &Path,
+        extra: &[String],
     ) -> anyhow::Result<Cloud> {
-        let args = vec![
+        let mut args = vec![
             "run".into(),
             format!("--sync-addr={sync}"),
             format!("--metrics-addr={metrics}"),
@@ -132,6 +150,7 @@ impl Cloud {
             "--insecure-plaintext".into(),
             "--insecure-unauthenticated-agents".into(),
         ];
+        args.extend(extra.iter().cloned());
         let env = [("KUBECONFIG", kubeconfig.display().to_string())];
         let process = Process::start_logged("edgefleet-cloud", &args, &env, Some(log))?;
         let cloud = Cloud {
@@ -436,7 +455,7 @@ async fn measure(
     let log = cli.dir.join(format!("cloud-{}-restart.log", size.devices));
     let addresses = (cloud.sync, cloud.metrics);
     drop(cloud);
-    cloud = Cloud::start_at(addresses, &namespace, cli, kubeconfig, &log).await?;
+    cloud = Cloud::start_at(addresses, &namespace, cli, kubeconfig, &log, &[]).await?;
     wait_for("every agent resynced", || {
         fleet.counters().sessions() >= sessions_before + size.nodes as u64
             && fleet.open() == size.nodes
@@ -507,6 +526,10 @@ async fn strip_finalizers(api: &Api<Device>, size: Size) {
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let sizes = sizes(&cli.sizes)?;
+    let failovers = match cli.failover.is_empty() {
+        true => Vec::new(),
+        false => self::sizes(&cli.failover)?,
+    };
     std::fs::create_dir_all(&cli.dir)?;
     let mut out = Report::default();
     out.line(&format!(
@@ -560,6 +583,136 @@ async fn main() -> anyhow::Result<()> {
             row.inventories,
         ));
     }
+    for size in failovers {
+        failover(size, &cli, &client, &kubeconfig, &mut out).await?;
+    }
     std::fs::write(cli.dir.join("results.txt"), &out.text)?;
+    Ok(())
+}
+
+/// Shards the live replicas of `clouds` hold together.
+async fn shards_held(clouds: &[Option<Cloud>]) -> f64 {
+    let mut held = 0.0;
+    for cloud in clouds.iter().flatten() {
+        held += cloud.metric("edgefleet_cloud_leases_shards_held").await;
+    }
+    held
+}
+
+/// The failover phase: `cli.replicas` replicas, one hollow agent per node
+/// through a round-robin forwarder; a replica killed, then the leader.
+async fn failover(
+    size: Size,
+    cli: &Cli,
+    client: &Client,
+    kubeconfig: &Path,
+    out: &mut Report,
+) -> anyhow::Result<()> {
+    let namespace = format!("scale-failover-{}", size.devices);
+    out.line(&format!(
+        "failover: {} Devices on {} nodes, {} replicas, {SHARDS} shards, Leases of {} s",
+        size.devices, size.nodes, cli.replicas, cli.lease_seconds
+    ));
+    ensure_namespace(client, &namespace).await?;
+    let api: Api<Device> = Api::namespaced(client.clone(), &namespace);
+    create_devices(&api, size, cli.concurrency, out).await?;
+    let mut clouds = Vec::new();
+    for i in 0..cli.replicas {
+        let (sync, metrics) = (free_tcp_addr(), free_tcp_addr());
+        let extra = [
+            format!("--shards={SHARDS}"),
+            format!("--replica-id=replica-{i}"),
+            format!("--advertise-url=http://{sync}"),
+            format!("--lease-namespace={namespace}"),
+            format!("--lease-duration-seconds={}", cli.lease_seconds),
+        ];
+        let log = cli.dir.join(format!("failover-replica-{i}.log"));
+        clouds.push(Some(
+            Cloud::start_at((sync, metrics), &namespace, cli, kubeconfig, &log, &extra).await?,
+        ));
+    }
+    let started = Instant::now();
+    while shards_held(&clouds).await < f64::from(SHARDS) {
+        anyhow::ensure!(
+            started.elapsed() < PATIENCE,
+            "the shards were never all held"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let service = edgefleet_tests::round_robin::RoundRobin::start(
+        clouds.iter().flatten().map(|c| c.sync).collect(),
+    )
+    .await?;
+    let nodes: Vec<String> = (0..size.nodes).map(node_name).collect();
+    let fleet = HollowFleet::start(&format!("http://{}", service.addr()), &nodes, HEARTBEAT);
+    let served = wait_for("every agent holds its slice", || {
+        fleet.open() == size.nodes && fleet.held() == size.devices
+    })
+    .await?;
+    out.line(&format!(
+        "  every agent connected and holding its slice after {:.1} s ({} redirects followed)",
+        served.as_secs_f64(),
+        fleet.counters().redirects()
+    ));
+    let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
+        Api::namespaced(client.clone(), &namespace);
+    for victim in ["a replica", "the leader (shard 0's holder)"] {
+        let index = match victim {
+            "a replica" => {
+                // The one that serves the most agents.
+                let mut most = (0, -1.0);
+                for (i, cloud) in clouds.iter().enumerate() {
+                    if let Some(cloud) = cloud {
+                        let streams = cloud.metric("edgefleet_cloud_sync_streams").await;
+                        if streams > most.1 {
+                            most = (i, streams);
+                        }
+                    }
+                }
+                most.0
+            }
+            _ => {
+                let lease = leases.get("edgefleet-shard-0").await?;
+                let holder = lease
+                    .spec
+                    .and_then(|s| s.holder_identity)
+                    .unwrap_or_default();
+                holder
+                    .strip_prefix("replica-")
+                    .and_then(|i| i.parse().ok())
+                    .context("shard 0 has no holder")?
+            }
+        };
+        let cloud = clouds[index].take().context("the victim is alive")?;
+        let streams = cloud.metric("edgefleet_cloud_sync_streams").await;
+        let held = cloud.metric("edgefleet_cloud_leases_shards_held").await;
+        let redirects = fleet.counters().redirects();
+        let mut process = cloud.process;
+        process.kill();
+        let killed = Instant::now();
+        while shards_held(&clouds).await < f64::from(SHARDS) {
+            anyhow::ensure!(
+                killed.elapsed() < PATIENCE,
+                "the shards were never taken over"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let taken = killed.elapsed();
+        wait_for("every agent re-homed", || fleet.open() == size.nodes).await?;
+        let rehomed = killed.elapsed();
+        out.line(&format!(
+            "  kill -9 of {victim} (replica-{index}: {streams} agents, {held} shards): its shards taken over after {:.1} s, every agent re-homed after {:.1} s ({} redirects followed)",
+            taken.as_secs_f64(),
+            rehomed.as_secs_f64(),
+            fleet.counters().redirects() - redirects
+        ));
+    }
+    fleet.stop().await;
+    drop(clouds);
+    strip_finalizers(&api, size).await;
+    let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(client.clone());
+    let _ = namespaces
+        .delete(&namespace, &DeleteParams::default())
+        .await;
     Ok(())
 }
