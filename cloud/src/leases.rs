@@ -482,3 +482,54 @@ where
         running.abort();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A client of a server that is not there: a request that gets past
+    /// the fence fails to connect.
+    fn nowhere() -> Client {
+        let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
+        Client::try_from(config).unwrap()
+    }
+
+    fn is_fenced(error: &kube::Error) -> bool {
+        matches!(error, kube::Error::Service(e) if e.downcast_ref::<Fenced>().is_some())
+    }
+
+    #[tokio::test]
+    async fn a_fenced_client_refuses_writes_but_not_reads_unless_allowed() {
+        let allowed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let client = fenced(nowhere(), {
+            let allowed = Arc::clone(&allowed);
+            move || allowed.load(std::sync::atomic::Ordering::SeqCst)
+        });
+        let leases: Api<Lease> = Api::namespaced(client, "ns");
+        let write = leases
+            .create(&PostParams::default(), &Lease::default())
+            .await;
+        assert!(
+            is_fenced(&write.unwrap_err()),
+            "a write is refused by the fence"
+        );
+        let read = leases.get("x").await;
+        assert!(!is_fenced(&read.unwrap_err()), "a read goes to the server");
+        allowed.store(true, std::sync::atomic::Ordering::SeqCst);
+        let write = leases
+            .create(&PostParams::default(), &Lease::default())
+            .await;
+        assert!(
+            !is_fenced(&write.unwrap_err()),
+            "an allowed write goes to the server"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_lone_replica_is_never_fenced() {
+        let fence = Fence::single(nowhere());
+        assert!(fence.serves("any-node") && fence.leads());
+        let shared = Fence::new(nowhere(), Arc::new(Shards::shared(4)));
+        assert!(!shared.serves("any-node") && !shared.leads());
+    }
+}

@@ -542,3 +542,69 @@ async fn send(
         .await
         .map_err(|_| SyncError::Closed)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(cloud: &str) -> SyncSettings {
+        SyncSettings {
+            cloud: cloud.into(),
+            tls: Some(CloudTls {
+                ca_file: "ca.crt".into(),
+                server_name: None,
+                client_certificate: None,
+            }),
+            token_file: None,
+            node: "edge-1".into(),
+            agent_version: "test".into(),
+            boot_id: "boot".into(),
+            heartbeat: Heartbeat::default(),
+            silent_cloud: Counter::default(),
+            bytes: MessageBytes::default(),
+            liveness: Check::default(),
+        }
+    }
+
+    fn refusal(code: tonic::Code, to: Option<&str>) -> SyncError {
+        let mut status = tonic::Status::new(code, "served elsewhere");
+        if let Some(to) = to {
+            status
+                .metadata_mut()
+                .insert(proto::REDIRECT_METADATA, to.parse().unwrap());
+        }
+        SyncError::Stream(status)
+    }
+
+    #[test]
+    fn a_redirect_is_followed_only_from_an_unavailable_refusal_with_a_url() {
+        let to = "https://10.0.0.7:7443";
+        let unavailable = tonic::Code::Unavailable;
+        assert_eq!(
+            redirect_of(&refusal(unavailable, Some(to))).as_deref(),
+            Some(to)
+        );
+        assert_eq!(redirect_of(&refusal(unavailable, None)), None);
+        assert_eq!(
+            redirect_of(&refusal(tonic::Code::PermissionDenied, Some(to))),
+            None
+        );
+        assert_eq!(redirect_of(&refusal(unavailable, Some("not a url"))), None);
+        assert_eq!(redirect_of(&SyncError::Closed), None);
+    }
+
+    #[test]
+    fn a_redirected_session_checks_the_certificate_against_the_configured_name() {
+        let base = settings("https://edgefleet-cloud.edgefleet-system.svc:7443");
+        let here = redirected(&base, "https://10.0.0.7:7443".into());
+        assert_eq!(here.cloud, "https://10.0.0.7:7443");
+        let name = here.tls.as_ref().and_then(|t| t.server_name.as_deref());
+        assert_eq!(name, Some("edgefleet-cloud.edgefleet-system.svc"));
+        // A name given explicitly stays.
+        let mut named = base.clone();
+        named.tls.as_mut().unwrap().server_name = Some("sync.example".into());
+        let here = redirected(&named, "https://10.0.0.7:7443".into());
+        let name = here.tls.as_ref().and_then(|t| t.server_name.as_deref());
+        assert_eq!(name, Some("sync.example"));
+    }
+}
