@@ -160,6 +160,7 @@ impl Controller {
         }));
 
         let (device_changed, device_changes) = tokio::sync::watch::channel(());
+        let (indexed, mut index_ready) = tokio::sync::watch::channel(false);
         let credentials = Arc::new(
             crate::credentials::Credentials::new(Arc::clone(&index))
                 .with_events(events.clone(), settings.device_key_metrics.clone()),
@@ -171,6 +172,7 @@ impl Controller {
             Arc::clone(&credentials),
             status.clone(),
             device_changed,
+            indexed,
         ));
         tasks.spawn(status.clone().run());
         devices.wait_until_ready().await?;
@@ -248,6 +250,11 @@ impl Controller {
             devices.clone(),
         ));
 
+        // The store is ready a moment before the index holds what it
+        // listed (the reflector first hands the list to the reconciler,
+        // started above); a Hello judged against a partial index would ask
+        // the agent for its whole inventory.
+        index_ready.wait_for(|ready| *ready).await?;
         let sync_addr = settings.sync_listener.local_addr()?;
         let sync_metrics = settings.sync_metrics;
         let agent_ca_pem = settings
@@ -415,8 +422,9 @@ const RULES_TRIGGER_PERIOD: std::time::Duration = std::time::Duration::from_secs
 /// change (and every [`crate::rollout::TICK`] while they move anyway).
 pub const ROLLOUT_TRIGGER_PERIOD: std::time::Duration = std::time::Duration::from_millis(250);
 
-/// Keeps the index equal to the Devices in the API server, and tells
-/// `changed` whenever a Device changes.
+/// Keeps the index equal to the Devices in the API server, tells
+/// `changed` whenever a Device changes, and `indexed` once the first list
+/// is in the index.
 async fn feed_index(
     api: Api<Device>,
     writer: reflector::store::Writer<Device>,
@@ -424,6 +432,7 @@ async fn feed_index(
     credentials: Arc<Credentials>,
     status: StatusWriter,
     changed: tokio::sync::watch::Sender<()>,
+    indexed: tokio::sync::watch::Sender<bool>,
 ) {
     let mut relist = Vec::new();
     let events = watcher(api, watcher::Config::default())
@@ -454,6 +463,7 @@ async fn feed_index(
             Ok(watcher::Event::InitApply(device)) => relist.push(device),
             Ok(watcher::Event::InitDone) => {
                 index.replace_all(&relist);
+                indexed.send_replace(true);
                 credentials.devices_listed(&relist);
                 // What the writer remembers may be about objects deleted
                 // while the watch was away: start from what was listed.

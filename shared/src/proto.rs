@@ -25,6 +25,12 @@ pub const MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
 /// there next (keeping the TLS name of its configured endpoint).
 pub const REDIRECT_METADATA: &str = "edgefleet-redirect";
 
+/// The metadata key of a refusal (`UNAVAILABLE`) that says, in
+/// milliseconds, when to try again: the node's shard is between replicas
+/// (its holder went away and no other has taken it yet), so the agent tries
+/// again soon instead of backing off as from an unreachable cloud.
+pub const RETRY_AFTER_METADATA: &str = "edgefleet-retry-after-ms";
+
 /// Where Updates and Inventory parts are cut: at most this many bytes of
 /// entries each (one entry larger than it goes alone), so a node with many
 /// Devices or large desired states never needs a message near

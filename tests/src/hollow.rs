@@ -200,15 +200,26 @@ async fn run(
         let here = redirect.take().unwrap_or_else(|| cloud.clone());
         let opened = talk(&here, heartbeat, &agent, &arrivals, &counters).await;
         agent.open.store(false, Ordering::Relaxed);
-        // A replica that does not serve the node says which one does.
-        redirect = opened.as_ref().err().and_then(|error| {
-            let status = error.downcast_ref::<tonic::Status>()?;
-            let url = status.metadata().get(proto::REDIRECT_METADATA)?;
-            Some(url.to_str().ok()?.to_owned())
-        });
+        // A replica that does not serve the node says which one does, or
+        // when to try again (its shard is moving), as for the real agent.
+        let refusal = opened
+            .as_ref()
+            .err()
+            .and_then(|error| error.downcast_ref::<tonic::Status>());
+        let says = |key: &str| {
+            let value = refusal?.metadata().get(key)?;
+            Some(value.to_str().ok()?.to_owned())
+        };
+        redirect = says(proto::REDIRECT_METADATA);
         if redirect.is_some() {
             counters.redirects.fetch_add(1, Ordering::Relaxed);
             tokio::time::sleep(Duration::from_millis(20)).await;
+            continue;
+        }
+        if let Some(ms) = says(proto::RETRY_AFTER_METADATA).and_then(|ms| ms.parse::<u64>().ok()) {
+            let jitter = rand::random::<f64>() / 2.0;
+            tokio::time::sleep(Duration::from_millis(ms).mul_f64(1.0 + jitter)).await;
+            delay = Duration::from_millis(200);
             continue;
         }
         if let Err(error) = opened {

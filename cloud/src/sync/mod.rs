@@ -528,16 +528,30 @@ struct Driver {
 
 /// The refusal of a session for a node another replica serves: `unavailable`
 /// (the agent retries), with where to go in [`proto::REDIRECT_METADATA`]
-/// when the serving replica said.
+/// when the serving replica said, or else when to try again in
+/// [`proto::RETRY_AFTER_METADATA`] (the shard is between replicas).
 fn elsewhere(node: &str, served_at: Option<String>) -> Status {
     let mut status = Status::unavailable(format!(
         "node {node} is served by another replica of the controller"
     ));
-    if let Some(url) = served_at.and_then(|url| url.parse().ok()) {
-        status.metadata_mut().insert(proto::REDIRECT_METADATA, url);
+    match served_at.and_then(|url| url.parse().ok()) {
+        Some(url) => {
+            status.metadata_mut().insert(proto::REDIRECT_METADATA, url);
+        }
+        None => {
+            let after = RETRY_WHILE_MOVING.as_millis().to_string();
+            if let Ok(after) = after.parse() {
+                status
+                    .metadata_mut()
+                    .insert(proto::RETRY_AFTER_METADATA, after);
+            }
+        }
     }
     status
 }
+
+/// How soon an agent whose shard is between replicas tries again.
+const RETRY_WHILE_MOVING: Duration = Duration::from_secs(1);
 
 /// Why a driven session ended.
 #[derive(Debug, thiserror::Error)]

@@ -251,7 +251,9 @@ fn causes(error: &dyn std::error::Error) -> String {
 /// Runs sync sessions until the process ends, reconnecting after each. A
 /// replica that does not serve this node refuses with where to go
 /// ([`proto::REDIRECT_METADATA`]): the next attempt goes there at once, and
-/// back to `settings.cloud` if that fails.
+/// back to `settings.cloud` if that fails. One that says when to try again
+/// ([`proto::RETRY_AFTER_METADATA`]: the node's shard is moving) is tried
+/// again then, without growing the backoff.
 pub async fn run(settings: SyncSettings, store: Store) {
     let backoff = || {
         ExponentialBuilder::default()
@@ -281,12 +283,21 @@ pub async fn run(settings: SyncSettings, store: Store) {
         if opened {
             delays = backoff();
         }
-        redirect = ended.err().as_ref().and_then(redirect_of);
-        let delay = match &redirect {
-            Some(url) if followed < 3 => {
+        let advice = ended.err().as_ref().map_or(Advice::Backoff, advice_of);
+        let delay = match advice {
+            Advice::GoTo(url) if followed < 3 => {
                 followed += 1;
                 tracing::info!(to = %url, "another controller replica serves this node: going there");
+                redirect = Some(url);
                 Duration::from_millis(20)
+            }
+            Advice::RetryAfter(after) => {
+                followed = 0;
+                tracing::info!(
+                    ?after,
+                    "this node's shard is moving between controller replicas: trying again soon"
+                );
+                after.mul_f64(1.0 + rand::random::<f64>() / 2.0)
             }
             _ => {
                 followed = 0;
@@ -298,21 +309,36 @@ pub async fn run(settings: SyncSettings, store: Store) {
     }
 }
 
-/// Where a refusal says to go, if it says.
-fn redirect_of(error: &SyncError) -> Option<String> {
+/// What a refusal says to do next.
+#[derive(Debug, PartialEq, Eq)]
+enum Advice {
+    /// Connect to this replica.
+    GoTo(String),
+    /// Try the configured endpoint again after this long.
+    RetryAfter(Duration),
+    /// Nothing: back off.
+    Backoff,
+}
+
+/// What `error` advises, if it is a refusal that says.
+fn advice_of(error: &SyncError) -> Advice {
     let SyncError::Stream(status) = error else {
-        return None;
+        return Advice::Backoff;
     };
     if status.code() != tonic::Code::Unavailable {
-        return None;
+        return Advice::Backoff;
     }
-    let url = status
-        .metadata()
-        .get(proto::REDIRECT_METADATA)?
-        .to_str()
-        .ok()?;
-    tonic::transport::Endpoint::from_shared(url.to_owned()).ok()?;
-    Some(url.to_owned())
+    let text = |key: &str| status.metadata().get(key)?.to_str().ok();
+    if let Some(url) = text(proto::REDIRECT_METADATA)
+        && tonic::transport::Endpoint::from_shared(url.to_owned()).is_ok()
+    {
+        return Advice::GoTo(url.to_owned());
+    }
+    match text(proto::RETRY_AFTER_METADATA).and_then(|ms| ms.parse::<u64>().ok()) {
+        // At most the backoff's own bound.
+        Some(ms) => Advice::RetryAfter(Duration::from_millis(ms.min(15_000))),
+        None => Advice::Backoff,
+    }
 }
 
 /// `settings` aimed at `url`, a replica's own address: its certificate is

@@ -657,6 +657,26 @@ async fn failover(
     let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
         Api::namespaced(client.clone(), &namespace);
     for victim in ["a replica", "the leader (shard 0's holder)"] {
+        // The replicas first settle on their shares (and their agents on
+        // them).
+        let share = f64::from(SHARDS.div_ceil(clouds.iter().flatten().count() as u32));
+        let started = Instant::now();
+        loop {
+            let mut balanced = true;
+            for cloud in clouds.iter().flatten() {
+                balanced &= cloud.metric("edgefleet_cloud_leases_shards_held").await == share;
+            }
+            if balanced && fleet.open() == size.nodes {
+                break;
+            }
+            anyhow::ensure!(started.elapsed() < PATIENCE, "the replicas never balanced");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        out.line(&format!(
+            "  {} replicas hold {share} shards each ({:.1} s), every agent connected",
+            clouds.iter().flatten().count(),
+            started.elapsed().as_secs_f64()
+        ));
         let index = match victim {
             "a replica" => {
                 // The one that serves the most agents.
