@@ -196,9 +196,17 @@ async fn run(
 ) {
     let mut delay = Duration::from_millis(200);
     let mut redirect: Option<String> = None;
+    // A replica sent to that could not be reached (as the real agent).
+    let mut unreachable: Option<String> = None;
     loop {
-        let here = redirect.take().unwrap_or_else(|| cloud.clone());
+        let target = redirect.take();
+        let here = target.clone().unwrap_or_else(|| cloud.clone());
         let opened = talk(&here, heartbeat, &agent, &arrivals, &counters).await;
+        if agent.open.load(Ordering::Relaxed) || opened.is_ok() {
+            unreachable = None;
+        } else if target.is_some() {
+            unreachable = target;
+        }
         agent.open.store(false, Ordering::Relaxed);
         // A replica that does not serve the node says which one does, or
         // when to try again (its shard is moving), as for the real agent.
@@ -211,6 +219,13 @@ async fn run(
             Some(value.to_str().ok()?.to_owned())
         };
         redirect = says(proto::REDIRECT_METADATA);
+        if redirect.is_some() && redirect == unreachable {
+            // Sent again to the replica that could not be reached.
+            redirect = None;
+            tokio::time::sleep(Duration::from_millis(1000)).await;
+            delay = Duration::from_millis(200);
+            continue;
+        }
         if redirect.is_some() {
             counters.redirects.fetch_add(1, Ordering::Relaxed);
             tokio::time::sleep(Duration::from_millis(20)).await;

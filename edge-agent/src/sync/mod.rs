@@ -267,11 +267,15 @@ pub async fn run(settings: SyncSettings, store: Store) {
     let mut redirect: Option<String> = None;
     // Redirects followed in a row: a loop of stale ones backs off.
     let mut followed = 0u32;
+    // A replica sent to that could not be reached: it may have died, and
+    // the others name it until its Leases run out.
+    let mut unreachable: Option<String> = None;
     loop {
         settings.liveness.alive();
         let mut opened = false;
-        let here = match redirect.take() {
-            Some(url) => redirected(&settings, url),
+        let target = redirect.take();
+        let here = match &target {
+            Some(url) => redirected(&settings, url.clone()),
             None => settings.clone(),
         };
         let ended = session(&here, &store, &mut opened).await;
@@ -282,8 +286,18 @@ pub async fn run(settings: SyncSettings, store: Store) {
         // After a session that got its stream open, start the backoff over.
         if opened {
             delays = backoff();
+            unreachable = None;
+        } else if target.is_some() {
+            unreachable = target;
         }
-        let advice = ended.err().as_ref().map_or(Advice::Backoff, advice_of);
+        let advice = match ended.err().as_ref().map_or(Advice::Backoff, advice_of) {
+            // Sent again to the replica that could not be reached: its
+            // shards are about to move; ask again soon.
+            Advice::GoTo(url) if unreachable.as_ref() == Some(&url) => {
+                Advice::RetryAfter(Duration::from_secs(1))
+            }
+            advice => advice,
+        };
         let delay = match advice {
             Advice::GoTo(url) if followed < 3 => {
                 followed += 1;

@@ -47,7 +47,7 @@ use kube::{Api, Client, ResourceExt};
     about = "Measure the controller as the fleet grows"
 )]
 struct Cli {
-    /// Sizes to measure, as DEVICES:NODES, comma-separated.
+    /// Sizes to measure, as DEVICES:NODES, comma-separated (none if empty).
     #[arg(long, default_value = "1000:10,10000:100,100000:1000")]
     sizes: String,
     /// The controller's status write budget (writes per second).
@@ -525,7 +525,10 @@ async fn strip_finalizers(api: &Api<Device>, size: Size) {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    let sizes = sizes(&cli.sizes)?;
+    let sizes = match cli.sizes.is_empty() {
+        true => Vec::new(),
+        false => sizes(&cli.sizes)?,
+    };
     let failovers = match cli.failover.is_empty() {
         true => Vec::new(),
         false => self::sizes(&cli.failover)?,
