@@ -606,31 +606,39 @@ mod tests {
         }
     }
 
-    fn refusal(code: tonic::Code, to: Option<&str>) -> SyncError {
+    fn refusal(code: tonic::Code, metadata: &[(&'static str, &str)]) -> SyncError {
         let mut status = tonic::Status::new(code, "served elsewhere");
-        if let Some(to) = to {
-            status
-                .metadata_mut()
-                .insert(proto::REDIRECT_METADATA, to.parse().unwrap());
+        for (key, value) in metadata {
+            status.metadata_mut().insert(*key, value.parse().unwrap());
         }
         SyncError::Stream(status)
     }
 
     #[test]
-    fn a_redirect_is_followed_only_from_an_unavailable_refusal_with_a_url() {
+    fn only_an_unavailable_refusal_that_says_where_or_when_is_followed() {
         let to = "https://10.0.0.7:7443";
         let unavailable = tonic::Code::Unavailable;
+        let go = [(proto::REDIRECT_METADATA, to)];
         assert_eq!(
-            redirect_of(&refusal(unavailable, Some(to))).as_deref(),
-            Some(to)
+            advice_of(&refusal(unavailable, &go)),
+            Advice::GoTo(to.into())
         );
-        assert_eq!(redirect_of(&refusal(unavailable, None)), None);
+        assert_eq!(advice_of(&refusal(unavailable, &[])), Advice::Backoff);
+        let denied = tonic::Code::PermissionDenied;
+        assert_eq!(advice_of(&refusal(denied, &go)), Advice::Backoff);
+        let garbled = [(proto::REDIRECT_METADATA, "not a url")];
+        assert_eq!(advice_of(&refusal(unavailable, &garbled)), Advice::Backoff);
+        let soon = [(proto::RETRY_AFTER_METADATA, "1000")];
         assert_eq!(
-            redirect_of(&refusal(tonic::Code::PermissionDenied, Some(to))),
-            None
+            advice_of(&refusal(unavailable, &soon)),
+            Advice::RetryAfter(Duration::from_secs(1))
         );
-        assert_eq!(redirect_of(&refusal(unavailable, Some("not a url"))), None);
-        assert_eq!(redirect_of(&SyncError::Closed), None);
+        let late = [(proto::RETRY_AFTER_METADATA, "999999999")];
+        assert_eq!(
+            advice_of(&refusal(unavailable, &late)),
+            Advice::RetryAfter(Duration::from_secs(15))
+        );
+        assert_eq!(advice_of(&SyncError::Closed), Advice::Backoff);
     }
 
     #[test]
