@@ -7,8 +7,11 @@
 //! to its event-ack topic, and hands each message to the device through a
 //! [`watch`] channel: a device only ever needs the latest desired state,
 //! and a watch channel never blocks the session, however slow the device.
-//! Devices whose transport is MQTT publish their reports through their
-//! session's client; their PUBACKs are counted here.
+//! Devices whose transport is MQTT publish their reports and events
+//! through their session's [`Publisher`], one at a time: a publish counts
+//! as delivered only on the broker's PUBACK. (rumqttc drops a clean
+//! session's unacknowledged publishes, and its queued requests, when it
+//! reconnects, so handing a publish to the client proves nothing.)
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -17,8 +20,8 @@ use std::time::Duration;
 use edgefleet_shared::ResourceKey;
 use edgefleet_shared::codec::{self, CodecError, DesiredState, EventAck};
 use edgefleet_shared::credential::{self, Psk};
-use rumqttc::{AsyncClient, Event, EventLoop, MqttOptions, Outgoing, Packet, QoS};
-use tokio::sync::watch;
+use rumqttc::{AsyncClient, ClientError, Event, EventLoop, MqttOptions, Outgoing, Packet, QoS};
+use tokio::sync::{Mutex, oneshot, watch};
 
 use crate::summary::Stats;
 
@@ -28,6 +31,86 @@ const RECONNECT_DELAY: Duration = Duration::from_secs(1);
 /// Requests (publishes, subscribes) queued for the event loop at most: a
 /// device has one report and one event in flight at a time.
 const REQUEST_QUEUE: usize = 16;
+
+/// How long a publish waits for its PUBACK on a connection that stays up.
+const PUBACK_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Why a publish was not delivered.
+#[derive(Debug, thiserror::Error)]
+pub enum PublishError {
+    #[error("the MQTT client refused the publish: {0}")]
+    Client(#[from] ClientError),
+    #[error("the connection failed before the broker acknowledged the publish")]
+    ConnectionLost,
+    #[error("no PUBACK within {PUBACK_TIMEOUT:?}")]
+    Timeout,
+    #[error("the session is closing")]
+    Closed,
+}
+
+/// The session's publish awaiting its PUBACK: bound to its packet id when
+/// the event loop sends it.
+struct Waiter {
+    pkid: Option<u16>,
+    done: oneshot::Sender<bool>,
+}
+
+/// What a session's [`Publisher`] and its [`drive`] loop share.
+#[derive(Default)]
+struct Outstanding {
+    /// Held for a publish's whole round trip: one publish at a time, so a
+    /// PUBACK can only be for it.
+    slot: Mutex<()>,
+    waiter: std::sync::Mutex<Option<Waiter>>,
+}
+
+impl Outstanding {
+    fn resolve(&self, delivered: bool) {
+        if let Some(waiter) = self.waiter.lock().expect("not poisoned").take() {
+            let _ = waiter.done.send(delivered);
+        }
+    }
+}
+
+/// Publishes a device's messages at QoS 1, one at a time, each until the
+/// broker acknowledged it.
+#[derive(Clone)]
+pub struct Publisher {
+    client: AsyncClient,
+    outstanding: Arc<Outstanding>,
+}
+
+impl std::fmt::Debug for Publisher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Publisher").finish_non_exhaustive()
+    }
+}
+
+impl Publisher {
+    /// Publishes `payload` on `topic`; `Ok` once the broker acknowledged it.
+    pub async fn publish(&self, topic: &str, payload: Vec<u8>) -> Result<(), PublishError> {
+        let _slot = self.outstanding.slot.lock().await;
+        let (done, delivered) = oneshot::channel();
+        *self.outstanding.waiter.lock().expect("not poisoned") = Some(Waiter { pkid: None, done });
+        if let Err(e) = self
+            .client
+            .publish(topic, QoS::AtLeastOnce, false, payload)
+            .await
+        {
+            self.outstanding.waiter.lock().expect("not poisoned").take();
+            return Err(e.into());
+        }
+        let outcome = tokio::time::timeout(PUBACK_TIMEOUT, delivered).await;
+        // Whatever happened, the next publish starts afresh.
+        self.outstanding.waiter.lock().expect("not poisoned").take();
+        match outcome {
+            Ok(Ok(true)) => Ok(()),
+            Ok(Ok(false)) => Err(PublishError::ConnectionLost),
+            Ok(Err(_)) => Err(PublishError::Closed),
+            Err(_) => Err(PublishError::Timeout),
+        }
+    }
+}
 
 /// What a device is told through its desired topic.
 #[derive(Clone, Debug, PartialEq)]
@@ -62,11 +145,35 @@ pub enum Route {
 /// Where the session delivers each topic it subscribes to.
 pub type Routes = HashMap<String, Route>;
 
-/// `device`'s client for the broker at `host:port`, logged in with `key`,
-/// and the event loop that must be driven (see [`drive`]) for it to do
+/// `device`'s publisher for the broker at `host:port`, logged in with
+/// `key`, and the session that must be driven (see [`drive`]) for it to do
 /// anything.
-pub fn connect(device: &ResourceKey, key: &Psk, host: &str, port: u16) -> (AsyncClient, EventLoop) {
-    AsyncClient::new(login(device, key, host, port), REQUEST_QUEUE)
+pub fn connect(device: &ResourceKey, key: &Psk, host: &str, port: u16) -> (Publisher, Session) {
+    let (client, eventloop) = AsyncClient::new(login(device, key, host, port), REQUEST_QUEUE);
+    let outstanding = Arc::<Outstanding>::default();
+    let publisher = Publisher {
+        client: client.clone(),
+        outstanding: Arc::clone(&outstanding),
+    };
+    let session = Session {
+        eventloop,
+        client,
+        outstanding,
+    };
+    (publisher, session)
+}
+
+/// A device's MQTT connection, to be driven by [`drive`].
+pub struct Session {
+    eventloop: EventLoop,
+    client: AsyncClient,
+    outstanding: Arc<Outstanding>,
+}
+
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session").finish_non_exhaustive()
+    }
 }
 
 /// The MQTT options of `device` logging in with `key` at `host:port`:
@@ -82,15 +189,20 @@ pub fn login(device: &ResourceKey, key: &Psk, host: &str, port: u16) -> MqttOpti
 }
 
 /// Drives the session until `stop` turns true: (re)subscribes on every
-/// connection, routes desired states to devices, counts PUBACKs, reconnects
-/// after errors. Disconnects politely on the way out.
+/// connection, routes desired states to devices, settles the publish in
+/// flight on its PUBACK (or on the connection's failure), reconnects after
+/// errors. Disconnects politely on the way out.
 pub async fn drive(
-    mut eventloop: EventLoop,
-    client: AsyncClient,
+    session: Session,
     routes: Routes,
     stats: Arc<Stats>,
     mut stop: watch::Receiver<bool>,
 ) {
+    let Session {
+        mut eventloop,
+        client,
+        outstanding,
+    } = session;
     let mut connected = false;
     // Whether the next connection error starts an outage worth a warning.
     let mut healthy = true;
@@ -152,9 +264,30 @@ pub async fn drive(
                     }
                 }
             }
-            Ok(Event::Incoming(Packet::PubAck(_))) => stats.report_acknowledged(),
+            Ok(Event::Outgoing(Outgoing::Publish(pkid))) => {
+                if let Some(waiter) = outstanding.waiter.lock().expect("not poisoned").as_mut() {
+                    waiter.pkid = Some(pkid);
+                }
+            }
+            Ok(Event::Incoming(Packet::PubAck(ack))) => {
+                let mut waiter = outstanding.waiter.lock().expect("not poisoned");
+                if waiter.as_ref().is_some_and(|w| w.pkid == Some(ack.pkid))
+                    && let Some(waiter) = waiter.take()
+                {
+                    let _ = waiter.done.send(true);
+                }
+            }
             Ok(_) => {}
             Err(e) => {
+                // The session is clean: the next connection drops what this
+                // one left unacknowledged. And the events the event loop
+                // still holds from this connection (other than messages
+                // received) must not settle a later publish.
+                outstanding.resolve(false);
+                eventloop
+                    .state
+                    .events
+                    .retain(|event| matches!(event, Event::Incoming(Packet::Publish(_))));
                 if healthy {
                     tracing::warn!(error = %e, "MQTT connection failed; retrying every second");
                 } else {

@@ -26,7 +26,6 @@ use edgefleet_shared::api::Transport;
 use edgefleet_shared::codec::{self, DesiredState, DeviceEvent, DeviceReport, EventAck};
 use edgefleet_shared::topics;
 use rand::RngExt;
-use rumqttc::{AsyncClient, QoS};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -39,7 +38,7 @@ use crate::events::{EventId, EventQueue};
 use crate::fleet::DeviceSlot;
 use crate::keys;
 use crate::model::SimRng;
-use crate::mqtt::{self, Inbox, Route, Routes};
+use crate::mqtt::{self, Inbox, PublishError, Publisher, Route, Routes};
 use crate::retransmit::RetransmitParams;
 use crate::summary::{Stats, Summary};
 
@@ -262,7 +261,7 @@ impl NodeContext<'_> {
     ) {
         let node = &self.endpoint.name;
         let key = ResourceKey::device(&self.config.namespace, &slot.name);
-        let (mqtt, eventloop) = mqtt::connect(
+        let (publisher, session) = mqtt::connect(
             &key,
             &keys::device_key(&self.config.fleet_key, &key),
             &self.endpoint.mqtt_host,
@@ -285,7 +284,7 @@ impl NodeContext<'_> {
             },
             (Transport::Coap, None) => unreachable!("spawn opens a CoAP client per CoAP device"),
             (Transport::Mqtt, _) => Reporter::Mqtt {
-                client: mqtt.clone(),
+                publisher,
                 topic: topics::report(node, &key),
                 event_topic: topics::event(node, &key),
                 acks,
@@ -309,8 +308,7 @@ impl NodeContext<'_> {
         };
         tasks.spawn(device.run());
         let session = mqtt::drive(
-            eventloop,
-            mqtt,
+            session,
             routes,
             Arc::clone(self.stats),
             self.sessions_stop.clone(),
@@ -334,7 +332,7 @@ enum Reporter {
     /// MQTT publish (QoS 1) to the device's report or event topic; events
     /// are confirmed on the device's event-ack topic (`acks`).
     Mqtt {
-        client: AsyncClient,
+        publisher: Publisher,
         topic: String,
         event_topic: String,
         acks: watch::Receiver<EventAck>,
@@ -378,19 +376,24 @@ impl Reporter {
                     false
                 })
             }
-            Reporter::Mqtt { client, topic, .. } => {
-                let (client, topic) = (client.clone(), topic.clone());
+            Reporter::Mqtt {
+                publisher, topic, ..
+            } => {
+                let (publisher, topic) = (publisher.clone(), topic.clone());
                 Box::pin(async move {
-                    // Acknowledgements (PUBACK) are counted by the session.
-                    if let Err(e) = client
-                        .publish(&topic, QoS::AtLeastOnce, false, payload)
-                        .await
-                    {
-                        tracing::debug!(%topic, error = %e, "report publish failed");
-                        stats.report_failed();
-                        return false;
+                    match publisher.publish(&topic, payload).await {
+                        Ok(()) => {
+                            stats.report_acknowledged();
+                            true
+                        }
+                        // Shutting down: as with CoAP, neither here nor there.
+                        Err(PublishError::Closed) => false,
+                        Err(e) => {
+                            tracing::debug!(%topic, error = %e, "report publish failed");
+                            stats.report_failed();
+                            false
+                        }
                     }
-                    true
                 })
             }
         }
@@ -437,17 +440,15 @@ impl Reporter {
                 })
             }
             Reporter::Mqtt {
-                client,
+                publisher,
                 event_topic,
                 acks,
                 ..
             } => {
-                let (client, topic, mut acks) = (client.clone(), event_topic.clone(), acks.clone());
+                let (publisher, topic, mut acks) =
+                    (publisher.clone(), event_topic.clone(), acks.clone());
                 Box::pin(async move {
-                    if let Err(e) = client
-                        .publish(&topic, QoS::AtLeastOnce, false, payload)
-                        .await
-                    {
+                    if let Err(e) = publisher.publish(&topic, payload).await {
                         tracing::debug!(%topic, error = %e, "event publish failed");
                         return None;
                     }
