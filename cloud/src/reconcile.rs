@@ -26,7 +26,7 @@ use edgefleet_shared::api::{Device, EdgeNode};
 use futures::StreamExt;
 use k8s_openapi::jiff::Timestamp;
 use kube::runtime::Controller;
-use kube::runtime::controller::Action;
+use kube::runtime::controller::{Action, Config};
 use kube::runtime::finalizer::{self, Event, finalizer};
 use kube::runtime::reflector::{ObjectRef, ReflectHandle, Store};
 use kube::{Api, Resource, ResourceExt};
@@ -38,6 +38,12 @@ use crate::status::{StatusChange, StatusWriter};
 
 /// The finalizer on every Device the controller has seen.
 pub const FINALIZER: &str = "edgefleet.io/cleanup";
+
+/// Devices reconciled at once. Each may make a request of its own (adding
+/// the finalizer), and kube's client opens a connection per request in
+/// flight: unbounded, the first list of 100,000 Devices opened connections
+/// until the API server ran out of file descriptors and died.
+const CONCURRENCY: u16 = 64;
 
 /// How long a deleted Device waits for a connected agent to drop it.
 pub const REMOVAL_TIMEOUT: Duration = Duration::from_secs(30);
@@ -90,6 +96,7 @@ pub async fn run(context: Arc<Context>, changes: ReflectHandle<Device>, devices:
     let moved = context.fence.changes();
     Controller::for_shared_stream(changes, devices)
         .reconcile_all_on(moved)
+        .with_config(Config::default().concurrency(CONCURRENCY))
         .run(reconcile, error_policy, context)
         .for_each(|result| async move {
             if let Err(error) = result {
