@@ -163,14 +163,36 @@ fn main() -> anyhow::Result<()> {
         }
         let dir = cli.dir.join(format!("phase-{n}"));
         let _ = std::fs::remove_dir_all(&dir);
+        // The peak RSS of each phase on its own (Linux: "5" resets it).
+        let _ = std::fs::write("/proc/self/clear_refs", "5");
         let figures = run_phase(&agent, &devices, &cli, &dir, &broker, phase)
             .with_context(|| format!("phase {name:?}"))?;
         report.line(&format!("{name:<48} {figures}"));
+        if let Some(peak) = peak_rss_mib() {
+            report.line(&format!(
+                "{:<48} peak RSS {peak:.1} MiB (this process: the agent and its devices' clients)",
+                ""
+            ));
+        }
         std::fs::remove_dir_all(&dir)?;
     }
     std::fs::write(cli.dir.join("results.txt"), &report.text)?;
     println!("(also in {})", cli.dir.join("results.txt").display());
     Ok(())
+}
+
+/// This process's peak RSS since the last reset, in MiB.
+fn peak_rss_mib() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kib: f64 = status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmHWM:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kib / 1024.0)
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
