@@ -29,7 +29,7 @@ use crate::summary::Stats;
 const RECONNECT_DELAY: Duration = Duration::from_secs(1);
 
 /// Requests (publishes, subscribes) queued for the event loop at most: a
-/// device has one report and one event in flight at a time.
+/// device has one publish in flight at a time.
 const REQUEST_QUEUE: usize = 16;
 
 /// How long a publish waits for its PUBACK on a connection that stays up.
@@ -65,10 +65,45 @@ struct Outstanding {
 }
 
 impl Outstanding {
-    fn resolve(&self, delivered: bool) {
-        if let Some(waiter) = self.waiter.lock().expect("not poisoned").take() {
-            let _ = waiter.done.send(delivered);
+    fn waiter(&self) -> std::sync::MutexGuard<'_, Option<Waiter>> {
+        self.waiter.lock().expect("not poisoned")
+    }
+
+    /// A publish is about to be handed to the client: the receiver learns
+    /// whether the broker acknowledged it.
+    fn begin(&self) -> oneshot::Receiver<bool> {
+        let (done, delivered) = oneshot::channel();
+        *self.waiter() = Some(Waiter { pkid: None, done });
+        delivered
+    }
+
+    /// The event loop sent the publish in flight as packet `pkid`.
+    fn sent(&self, pkid: u16) {
+        if let Some(waiter) = self.waiter().as_mut() {
+            waiter.pkid = Some(pkid);
         }
+    }
+
+    /// The broker acknowledged packet `pkid`.
+    fn acknowledged(&self, pkid: u16) {
+        let mut waiter = self.waiter();
+        if waiter.as_ref().is_some_and(|w| w.pkid == Some(pkid))
+            && let Some(waiter) = waiter.take()
+        {
+            let _ = waiter.done.send(true);
+        }
+    }
+
+    /// The connection failed: the publish in flight is lost.
+    fn lost(&self) {
+        if let Some(waiter) = self.waiter().take() {
+            let _ = waiter.done.send(false);
+        }
+    }
+
+    /// The publish in flight is settled, whichever way.
+    fn end(&self) {
+        self.waiter().take();
     }
 }
 
@@ -90,19 +125,20 @@ impl Publisher {
     /// Publishes `payload` on `topic`; `Ok` once the broker acknowledged it.
     pub async fn publish(&self, topic: &str, payload: Vec<u8>) -> Result<(), PublishError> {
         let _slot = self.outstanding.slot.lock().await;
-        let (done, delivered) = oneshot::channel();
-        *self.outstanding.waiter.lock().expect("not poisoned") = Some(Waiter { pkid: None, done });
-        if let Err(e) = self
+        let delivered = self.outstanding.begin();
+        let handed = self
             .client
             .publish(topic, QoS::AtLeastOnce, false, payload)
-            .await
-        {
-            self.outstanding.waiter.lock().expect("not poisoned").take();
-            return Err(e.into());
-        }
-        let outcome = tokio::time::timeout(PUBACK_TIMEOUT, delivered).await;
+            .await;
+        let outcome = match handed {
+            Ok(()) => tokio::time::timeout(PUBACK_TIMEOUT, delivered).await,
+            Err(e) => {
+                self.outstanding.end();
+                return Err(e.into());
+            }
+        };
         // Whatever happened, the next publish starts afresh.
-        self.outstanding.waiter.lock().expect("not poisoned").take();
+        self.outstanding.end();
         match outcome {
             Ok(Ok(true)) => Ok(()),
             Ok(Ok(false)) => Err(PublishError::ConnectionLost),
@@ -264,26 +300,15 @@ pub async fn drive(
                     }
                 }
             }
-            Ok(Event::Outgoing(Outgoing::Publish(pkid))) => {
-                if let Some(waiter) = outstanding.waiter.lock().expect("not poisoned").as_mut() {
-                    waiter.pkid = Some(pkid);
-                }
-            }
-            Ok(Event::Incoming(Packet::PubAck(ack))) => {
-                let mut waiter = outstanding.waiter.lock().expect("not poisoned");
-                if waiter.as_ref().is_some_and(|w| w.pkid == Some(ack.pkid))
-                    && let Some(waiter) = waiter.take()
-                {
-                    let _ = waiter.done.send(true);
-                }
-            }
+            Ok(Event::Outgoing(Outgoing::Publish(pkid))) => outstanding.sent(pkid),
+            Ok(Event::Incoming(Packet::PubAck(ack))) => outstanding.acknowledged(ack.pkid),
             Ok(_) => {}
             Err(e) => {
                 // The session is clean: the next connection drops what this
                 // one left unacknowledged. And the events the event loop
                 // still holds from this connection (other than messages
                 // received) must not settle a later publish.
-                outstanding.resolve(false);
+                outstanding.lost();
                 eventloop
                     .state
                     .events

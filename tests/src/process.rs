@@ -162,15 +162,7 @@ impl Process {
 
     /// The resident memory of the process in bytes (Linux `VmRSS`).
     pub fn rss_bytes(&self) -> Option<u64> {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).ok()?;
-        let kib: u64 = status
-            .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))?
-            .split_whitespace()
-            .next()?
-            .parse()
-            .ok()?;
-        Some(kib * 1024)
+        memory_kib(&self.child.id().to_string(), "VmRSS").map(|kib| kib * 1024)
     }
 
     /// Sends `signal` (say SIGSTOP to freeze it, SIGCONT to let it go on).
@@ -236,4 +228,19 @@ pub fn metric(exposition: &str, sample: &str) -> f64 {
         .find_map(|line| line.strip_prefix(sample)?.strip_prefix(' '))
         .and_then(|v| v.split_whitespace().next()?.parse().ok())
         .unwrap_or(0.0)
+}
+
+/// A memory figure (in KiB) of process `pid` (or `"self"`) from Linux's
+/// `/proc/<pid>/status`: `field` is, say, `VmRSS` (resident now) or `VmHWM`
+/// (the peak resident since start, or since `5` was written to
+/// `/proc/<pid>/clear_refs`).
+pub fn memory_kib(pid: &str, field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
 }

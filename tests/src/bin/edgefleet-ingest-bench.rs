@@ -44,6 +44,7 @@ use edgefleet_sim::retransmit::RetransmitParams;
 use edgefleet_tests::bench::Report;
 use edgefleet_tests::mosquitto::Mosquitto;
 use edgefleet_tests::numbered_report;
+use edgefleet_tests::process::memory_kib;
 use futures::{StreamExt, TryStreamExt};
 use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
 use tokio::runtime::Runtime;
@@ -168,10 +169,11 @@ fn main() -> anyhow::Result<()> {
         let figures = run_phase(&agent, &devices, &cli, &dir, &broker, phase)
             .with_context(|| format!("phase {name:?}"))?;
         report.line(&format!("{name:<48} {figures}"));
-        if let Some(peak) = peak_rss_mib() {
+        if let Some(peak) = memory_kib("self", "VmHWM") {
             report.line(&format!(
-                "{:<48} peak RSS {peak:.1} MiB (this process: the agent and its devices' clients)",
-                ""
+                "{:<48} peak RSS {:.1} MiB (this process: the agent and its devices' clients)",
+                "",
+                peak as f64 / 1024.0
             ));
         }
         std::fs::remove_dir_all(&dir)?;
@@ -179,20 +181,6 @@ fn main() -> anyhow::Result<()> {
     std::fs::write(cli.dir.join("results.txt"), &report.text)?;
     println!("(also in {})", cli.dir.join("results.txt").display());
     Ok(())
-}
-
-/// This process's peak RSS since the last reset, in MiB.
-fn peak_rss_mib() -> Option<f64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let kib: f64 = status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmHWM:"))?
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .ok()?;
-    Some(kib / 1024.0)
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -78,18 +78,7 @@ fn main() -> anyhow::Result<()> {
 
 /// This process's resident memory, in MiB.
 fn rss_mib() -> f64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))?
-                .split_whitespace()
-                .next()?
-                .parse::<f64>()
-                .ok()
-        })
-        .unwrap_or(0.0)
-        / 1024.0
+    edgefleet_tests::process::memory_kib("self", "VmRSS").unwrap_or(0) as f64 / 1024.0
 }
 
 /// CPU time of the calling thread.
