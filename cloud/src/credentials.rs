@@ -307,12 +307,12 @@ impl Credentials {
     }
 
     /// The Devices were listed anew: exactly these exist.
-    pub fn devices_listed(&self, devices: &[Device]) {
+    pub fn devices_listed<'a>(&self, devices: impl IntoIterator<Item = &'a Device>) {
         let mut join = self.join.lock().expect("credentials lock");
         let before = join.known();
         join.nodes.clear();
         for device in devices
-            .iter()
+            .into_iter()
             .filter(|d| d.metadata.deletion_timestamp.is_none())
         {
             let key =

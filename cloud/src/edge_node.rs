@@ -18,6 +18,15 @@ use crate::status::FIELD_MANAGER;
 /// `lastHeartbeat` moves at most this often on its own.
 pub const HEARTBEAT_RESOLUTION: Duration = Duration::from_secs(60);
 
+/// EdgeNode writes in flight at once, for all nodes of this process. A
+/// thousand agents connecting together (after a controller restart) would
+/// otherwise make a thousand requests at once, each on a connection of its
+/// own (HTTP/1.1) that then idles in the client's pool: memory here and a
+/// file descriptor in the API server for each. The writes wait instead; a
+/// session does not wait for them.
+const WRITES_AT_ONCE: usize = 16;
+static WRITES: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(WRITES_AT_ONCE);
+
 /// What the cloud last wrote about one node, so it can skip idle writes.
 #[derive(Debug)]
 pub struct NodeStatus {
@@ -62,6 +71,7 @@ impl NodeStatus {
             return Ok(());
         };
         let node = EdgeNode::new(&self.node, EdgeNodeSpec::default());
+        let permit = WRITES.acquire().await.expect("never closed");
         self.api
             .patch(
                 &self.node,
@@ -69,6 +79,7 @@ impl NodeStatus {
                 &Patch::Apply(&node),
             )
             .await?;
+        drop(permit);
         let now = Timestamp::now();
         let mut status = self.written.clone().unwrap_or_default();
         status.connected = true;
@@ -136,6 +147,7 @@ impl NodeStatus {
             "kind": "EdgeNode",
             "status": status,
         });
+        let _permit = WRITES.acquire().await.expect("never closed");
         self.api
             .patch_status(
                 &self.node,

@@ -434,7 +434,10 @@ async fn feed_index(
     changed: tokio::sync::watch::Sender<()>,
     indexed: tokio::sync::watch::Sender<bool>,
 ) {
-    let mut relist = Vec::new();
+    // At InitDone the store holds exactly what was listed (the reflector
+    // swaps it in before it yields the event): read the list from there
+    // rather than keep a second copy of every Device while it arrives.
+    let listed = writer.as_reader();
     let events = watcher(api, watcher::Config::default())
         .backoff(watch_backoff())
         .modify(strip_unused)
@@ -459,16 +462,15 @@ async fn feed_index(
                 credentials.device_deleted(&key);
                 status.forget(&key);
             }
-            Ok(watcher::Event::Init) => relist.clear(),
-            Ok(watcher::Event::InitApply(device)) => relist.push(device),
+            Ok(watcher::Event::Init | watcher::Event::InitApply(_)) => {}
             Ok(watcher::Event::InitDone) => {
-                index.replace_all(&relist);
+                let relist = listed.state();
+                index.replace_all(relist.iter().map(|device| &**device));
                 indexed.send_replace(true);
-                credentials.devices_listed(&relist);
+                credentials.devices_listed(relist.iter().map(|device| &**device));
                 // What the writer remembers may be about objects deleted
                 // while the watch was away: start from what was listed.
                 status.forget_all();
-                relist.clear();
             }
             Err(error) => tracing::warn!(%error, "Device watch failed; retrying"),
         }

@@ -84,12 +84,24 @@ pub struct Response {
     pub code: MessageClass,
     /// The payload (a CBOR document or a diagnostic text).
     pub payload: Vec<u8>,
+    /// The Max-Age option, in seconds, if the answer had one.
+    pub max_age: Option<u32>,
 }
+
+/// Max-Age when the option is absent (RFC 7252, 5.10.5).
+const DEFAULT_MAX_AGE: u32 = 60;
 
 impl Response {
     /// Whether the code is a success (2.xx).
     pub fn is_success(&self) -> bool {
         u8::from(self.code) >> 5 == 2
+    }
+
+    /// For `5.03 Service Unavailable`, how long to wait before asking
+    /// again: its Max-Age (RFC 7252, 5.9.3.4); `None` for any other answer.
+    pub fn retry_after(&self) -> Option<Duration> {
+        (self.code == MessageClass::Response(coap_lite::ResponseType::ServiceUnavailable))
+            .then(|| Duration::from_secs(self.max_age.unwrap_or(DEFAULT_MAX_AGE).into()))
     }
 }
 
@@ -383,9 +395,14 @@ async fn receive(link: Arc<Link>, pending: Arc<Mutex<Pending>>) {
                     .expect("pending exchanges")
                     .answer(id, Some(packet.get_token()));
                 if let Some(tx) = waiter {
+                    let max_age = packet
+                        .get_first_option(CoapOption::MaxAge)
+                        .filter(|value| value.len() <= 4)
+                        .map(|value| value.iter().fold(0, |n, b| n << 8 | u32::from(*b)));
                     let _ = tx.send(Answer::Response(Response {
                         code: packet.header.code,
                         payload: packet.payload,
+                        max_age,
                     }));
                 }
             }
@@ -449,11 +466,31 @@ mod tests {
         let response = |code| Response {
             code: MessageClass::Response(code),
             payload: vec![],
+            max_age: None,
         };
         assert!(response(ResponseType::Changed).is_success());
         assert!(response(ResponseType::Content).is_success());
         assert!(!response(ResponseType::NotFound).is_success());
         assert!(!response(ResponseType::InternalServerError).is_success());
+    }
+
+    #[test]
+    fn service_unavailable_says_when_to_ask_again() {
+        let response = |code, max_age| Response {
+            code: MessageClass::Response(code),
+            payload: vec![],
+            max_age,
+        };
+        assert_eq!(
+            response(ResponseType::ServiceUnavailable, Some(1)).retry_after(),
+            Some(Duration::from_secs(1))
+        );
+        assert_eq!(
+            response(ResponseType::ServiceUnavailable, None).retry_after(),
+            Some(Duration::from_secs(60))
+        );
+        assert_eq!(response(ResponseType::Changed, Some(1)).retry_after(), None);
+        assert_eq!(response(ResponseType::NotFound, None).retry_after(), None);
     }
 
     #[test]

@@ -67,6 +67,11 @@ struct Cli {
     /// Run only the phases whose name contains this (say `DTLS`).
     #[arg(long)]
     only: Option<String>,
+    /// CoAP: each device sends a report at most this often (milliseconds;
+    /// 0: as soon as the last was acknowledged). An offered load of
+    /// devices / interval, as a site's devices on a schedule make it.
+    #[arg(long, default_value_t = 0)]
+    interval_ms: u64,
 }
 
 const NAMESPACE: &str = "bench";
@@ -95,8 +100,12 @@ fn main() -> anyhow::Result<()> {
         .build()?;
     let mut report = Report::default();
     report.line(&format!(
-        "ingest: {} devices, one message outstanding each, {} s per phase, stores in {}",
+        "ingest: {} devices, one message outstanding each{}, {} s per phase, stores in {}",
         cli.devices,
+        match cli.interval_ms {
+            0 => String::new(),
+            ms => format!(" (CoAP: a report every {ms} ms at most)"),
+        },
         cli.seconds,
         cli.dir.display()
     ));
@@ -217,6 +226,9 @@ struct Figures {
     agent_cpu: Duration,
     latencies: Vec<Duration>,
     failures: usize,
+    /// Answered `5.03` (the agent's load shedding); each device waited the
+    /// answer's Max-Age before its next report.
+    refused: usize,
     /// How long the devices took to set up their sessions before the
     /// measured part (DTLS with one session per device).
     setup: Option<Duration>,
@@ -235,11 +247,12 @@ impl std::fmt::Display for Figures {
         let per_cpu_s = self.acked as f64 / self.agent_cpu.as_secs_f64().max(1e-9);
         write!(
             f,
-            "{per_s:>7.0} acked/s {per_cpu_s:>7.0} per agent CPU-s  ack p50 {:>6.2} ms  p99 {:>7.2} ms  max {:>7.2} ms  ({} acked, {} failed)",
+            "{per_s:>7.0} acked/s {per_cpu_s:>7.0} per agent CPU-s  ack p50 {:>6.2} ms  p99 {:>7.2} ms  max {:>7.2} ms  ({} acked, {} refused 5.03, {} failed)",
             pct(0.50),
             pct(0.99),
             sorted.last().map_or(f64::NAN, |d| d.as_secs_f64() * 1e3),
             self.acked,
+            self.refused,
             self.failures
         )?;
         match self.setup {
@@ -296,7 +309,13 @@ fn run_phase(
                 ))
                 .abort_handle();
             let cpu = Cpu::now()?;
-            let (results, set_up) = devices.block_on(coap_devices(addr, cli.devices, until, mode));
+            let (results, set_up) = devices.block_on(coap_devices(
+                addr,
+                cli.devices,
+                until,
+                Duration::from_millis(cli.interval_ms),
+                mode,
+            ));
             setup = set_up;
             (served, (results, cpu.since()?))
         }
@@ -351,13 +370,14 @@ fn run_phase(
         }
     };
     served.abort();
-    let ((latencies, failures, elapsed), agent_cpu) = results;
+    let ((tally, elapsed), agent_cpu) = results;
     Ok(Figures {
-        acked: latencies.len(),
+        acked: tally.latencies.len(),
         elapsed,
         agent_cpu,
-        latencies,
-        failures,
+        latencies: tally.latencies,
+        failures: tally.failed,
+        refused: tally.refused,
         setup,
     })
 }
@@ -463,11 +483,33 @@ async fn seed_store(
     Ok(store)
 }
 
-/// Acknowledgement latencies, failed exchanges and the time they took.
-type Results = (Vec<Duration>, usize, Duration);
+/// What devices saw: acknowledgement latencies, exchanges that failed,
+/// and requests the agent refused with `5.03`.
+#[derive(Debug, Default)]
+struct Tally {
+    latencies: Vec<Duration>,
+    failed: usize,
+    refused: usize,
+}
+
+impl Tally {
+    fn of(latencies: Vec<Duration>, failed: usize) -> Tally {
+        Tally {
+            latencies,
+            failed,
+            refused: 0,
+        }
+    }
+}
+
+/// What the devices saw, and the time it took.
+type Results = (Tally, Duration);
 
 /// `count` CoAP devices, each on its own socket (as constrained devices
-/// are), each sending a new report as soon as the last was acknowledged.
+/// are), each sending a new report as soon as the last was acknowledged
+/// and `interval` after the last began, the first at an offset within
+/// `interval` of its own; a device the agent refused with `5.03` waits
+/// the answer's Max-Age first, as RFC 7252 asks.
 /// With one DTLS session each, the devices first set their sessions up all
 /// at once (as after an agent restart) with one report each, which is not
 /// measured; how long that took comes back too.
@@ -475,6 +517,7 @@ async fn coap_devices(
     agent: SocketAddr,
     count: usize,
     until: Duration,
+    interval: Duration,
     mode: CoapMode,
 ) -> (Results, Option<Duration>) {
     let begun = Instant::now();
@@ -494,7 +537,7 @@ async fn coap_devices(
                     client.expect("a socket")
                 };
                 let mut client = open().await;
-                let (mut latencies, mut failures) = (Vec::new(), 0);
+                let mut tally = Tally::default();
                 let mut value = 0;
                 let retransmit = RetransmitParams::default().start_with_factor(1.0);
                 if mode == CoapMode::Dtls {
@@ -504,14 +547,21 @@ async fn coap_devices(
                             codec::encode(&numbered_report(value)).expect("a report encodes");
                         let request = Request::report(NAMESPACE, &key(i).name, payload);
                         let exchange = client.request(&request, retransmit.clone()).await;
-                        if exchange.result.is_ok_and(|r| r.is_success()) {
-                            break;
+                        match exchange.result {
+                            Ok(response) if response.is_success() => break,
+                            Ok(response) if let Some(wait) = response.retry_after() => {
+                                tokio::time::sleep(wait).await;
+                            }
+                            _ => {}
                         }
                     }
                 }
                 ready.wait().await;
                 let started = Instant::now();
+                let mut next = started + interval.mul_f64(i as f64 / count as f64);
                 while started.elapsed() < until {
+                    tokio::time::sleep_until(next.into()).await;
+                    next = Instant::now().max(next + interval);
                     if mode == CoapMode::HandshakeEach && value > 0 {
                         client = open().await;
                     }
@@ -521,11 +571,17 @@ async fn coap_devices(
                     let sent = Instant::now();
                     let exchange = client.request(&request, retransmit.clone()).await;
                     match exchange.result {
-                        Ok(response) if response.is_success() => latencies.push(sent.elapsed()),
-                        _ => failures += 1,
+                        Ok(response) if response.is_success() => {
+                            tally.latencies.push(sent.elapsed());
+                        }
+                        Ok(response) if let Some(wait) = response.retry_after() => {
+                            tally.refused += 1;
+                            next = next.max(Instant::now() + wait);
+                        }
+                        _ => tally.failed += 1,
                     }
                 }
-                (latencies, failures)
+                tally
             })
         })
         .collect();
@@ -534,17 +590,15 @@ async fn coap_devices(
     (collect(tasks, Instant::now()).await, setup)
 }
 
-async fn collect(
-    tasks: Vec<tokio::task::JoinHandle<(Vec<Duration>, usize)>>,
-    started: Instant,
-) -> Results {
-    let (mut latencies, mut failures) = (Vec::new(), 0);
+async fn collect(tasks: Vec<tokio::task::JoinHandle<Tally>>, started: Instant) -> Results {
+    let mut all = Tally::default();
     for task in tasks {
-        let (l, f) = task.await.expect("a device task");
-        latencies.extend(l);
-        failures += f;
+        let tally = task.await.expect("a device task");
+        all.latencies.extend(tally.latencies);
+        all.failed += tally.failed;
+        all.refused += tally.refused;
     }
-    (latencies, failures, started.elapsed())
+    (all, started.elapsed())
 }
 
 /// Devices per MQTT connection, as device-sim groups them.
@@ -702,11 +756,11 @@ impl Session {
         Ok(Some((slot, self.sent[slot].elapsed())))
     }
 
-    async fn run(mut self, started: Instant, until: Duration) -> (Vec<Duration>, usize) {
+    async fn run(mut self, started: Instant, until: Duration) -> Tally {
         let mut latencies = Vec::new();
         for slot in 0..self.devices.len() {
             if self.send(slot).await.is_err() {
-                return (latencies, 1);
+                return Tally::of(latencies, 1);
             }
         }
         while started.elapsed() < until {
@@ -714,17 +768,17 @@ impl Session {
                 Ok(Some((slot, latency))) => {
                     latencies.push(latency);
                     if self.send(slot).await.is_err() {
-                        return (latencies, 1);
+                        return Tally::of(latencies, 1);
                     }
                 }
                 Ok(None) => {}
                 Err(error) => {
                     eprintln!("a device connection failed: {error:#}");
-                    return (latencies, 1);
+                    return Tally::of(latencies, 1);
                 }
             }
         }
-        (latencies, 0)
+        Tally::of(latencies, 0)
     }
 }
 
