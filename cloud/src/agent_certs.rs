@@ -140,40 +140,95 @@ fn dn_text(value: &DnValue) -> Option<String> {
     }
 }
 
-/// The node a client certificate of this signer names: its subject's
-/// common name after [`COMMON_NAME_PREFIX`]. (The sync server calls it
+/// How long before its signing a certificate's validity starts (for hosts
+/// whose clock is a little behind). A certificate's `notBefore` plus this
+/// is when it was issued.
+const BACKDATE: Duration = Duration::from_secs(60);
+
+/// What the sync server reads of a client certificate of this signer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Presented {
+    /// The node its subject names: the common name after
+    /// [`COMMON_NAME_PREFIX`].
+    pub node: String,
+    /// When it was signed.
+    pub issued_at: SystemTime,
+    /// When it stops being valid.
+    pub not_after: SystemTime,
+}
+
+/// Reads a client certificate of this signer. (The sync server calls it
 /// only on a certificate its TLS handshake verified against the agents'
 /// CA, which issues nothing else.)
-pub fn node_of(certificate: &rustls::pki_types::CertificateDer<'_>) -> Option<String> {
+pub fn presented(certificate: &rustls::pki_types::CertificateDer<'_>) -> Option<Presented> {
     let (_, parsed) = x509_parser::parse_x509_certificate(certificate).ok()?;
     let mut names = parsed.subject().iter_common_name();
     let cn = names.next()?.as_str().ok()?;
     if names.next().is_some() {
         return None;
     }
-    cn.strip_prefix(COMMON_NAME_PREFIX)
-        .filter(|node| is_node_name(node))
-        .map(str::to_owned)
+    let node = cn
+        .strip_prefix(COMMON_NAME_PREFIX)
+        .filter(|node| is_node_name(node))?
+        .to_owned();
+    let at = |t: x509_parser::time::ASN1Time| {
+        u64::try_from(t.timestamp())
+            .ok()
+            .map(|s| SystemTime::UNIX_EPOCH + Duration::from_secs(s))
+    };
+    let validity = parsed.validity();
+    Some(Presented {
+        node,
+        issued_at: at(validity.not_before)? + BACKDATE,
+        not_after: at(validity.not_after)?,
+    })
 }
 
-/// When a client certificate stops being valid.
-pub fn not_after(certificate: &rustls::pki_types::CertificateDer<'_>) -> Option<SystemTime> {
-    let (_, parsed) = x509_parser::parse_x509_certificate(certificate).ok()?;
-    let seconds = u64::try_from(parsed.validity().not_after.timestamp()).ok()?;
-    Some(SystemTime::UNIX_EPOCH + Duration::from_secs(seconds))
+/// Whether a session may run on `certificate` at `now`: its EdgeNode
+/// takes certificates, has not revoked it, and it has not expired (the
+/// TLS handshake checked that once; a connection outlives it).
+pub fn admit_certificate(
+    certificate: &Presented,
+    edge_node: Option<&EdgeNode>,
+    now: SystemTime,
+) -> Result<(), Denial> {
+    admit(&certificate.node, edge_node)?;
+    if certificate.not_after <= now {
+        return Err(deny(
+            "CertificateExpired",
+            format!(
+                "the client certificate of {} expired; the host asks for a new one",
+                certificate.node
+            ),
+        ));
+    }
+    let revoked_before = edge_node
+        .and_then(|e| e.spec.certificates_revoked_before.as_ref())
+        .map(|t| SystemTime::from(t.0));
+    if revoked_before.is_some_and(|cut| certificate.issued_at < cut) {
+        return Err(deny(
+            "CertificateRevoked",
+            format!(
+                "EdgeNode {} revoked the certificates issued before its spec.certificatesRevokedBefore; the host asks for a new one",
+                certificate.node
+            ),
+        ));
+    }
+    Ok(())
 }
 
-/// While a session of `node` runs on a certificate valid until
-/// `not_after`: reads its EdgeNode every `every` and returns why the
-/// session must end once the EdgeNode no longer takes certificates (or is
-/// gone), or the certificate expired. A read that fails is no verdict.
+/// While a session runs on `certificate`: reads its EdgeNode every
+/// `every` and returns why the session must end once the EdgeNode no
+/// longer takes certificates (or is gone) or revoked this one, or the
+/// certificate expired. A read that fails is no verdict.
 pub async fn withdrawn(
     edge_nodes: &Api<EdgeNode>,
-    node: &str,
-    not_after: SystemTime,
+    certificate: &Presented,
     every: Duration,
 ) -> String {
-    let left = not_after
+    let node = &certificate.node;
+    let left = certificate
+        .not_after
         .duration_since(SystemTime::now())
         .unwrap_or_default();
     let expiry = tokio::time::sleep(left);
@@ -185,7 +240,9 @@ pub async fn withdrawn(
         }
         match edge_nodes.get_opt(node).await {
             Ok(edge_node) => {
-                if let Err(denial) = admit(node, edge_node.as_ref()) {
+                if let Err(denial) =
+                    admit_certificate(certificate, edge_node.as_ref(), SystemTime::now())
+                {
                     return denial.message;
                 }
             }
@@ -216,6 +273,33 @@ pub fn admit(node: &str, edge_node: Option<&EdgeNode>) -> Result<(), Denial> {
         ));
     }
     Ok(())
+}
+
+/// Whether `requester` (a CSR's `spec.username`, which the API server
+/// sets to whoever created it) may have a certificate for `node`: its
+/// EdgeNode takes certificates and names that user among
+/// `spec.certificateRequesters`. Whoever else may create CSRs (every
+/// kubelet, every bootstrap token) gets nothing for this node.
+pub fn admit_request(
+    node: &str,
+    edge_node: Option<&EdgeNode>,
+    requester: Option<&str>,
+) -> Result<(), Denial> {
+    admit(node, edge_node)?;
+    let allowed = edge_node.map_or(&[][..], |e| &e.spec.certificate_requesters[..]);
+    match requester {
+        Some(user) if allowed.iter().any(|a| a == user) => Ok(()),
+        _ => Err(deny(
+            "RequesterNotAllowed",
+            format!(
+                "{} may not ask for a certificate of EdgeNode {node}; its spec.certificateRequesters names {allowed:?}",
+                requester.map_or_else(
+                    || "a request without a user name".to_owned(),
+                    |u| format!("user {u:?}")
+                ),
+            ),
+        )),
+    }
 }
 
 /// The CA that signs agents' certificates.
@@ -270,7 +354,7 @@ impl AgentCa {
         );
         params.distinguished_name = name;
         let now = time::OffsetDateTime::now_utc();
-        params.not_before = now - time::Duration::minutes(1);
+        params.not_before = now - BACKDATE;
         params.not_after = now + validity;
         params.is_ca = IsCa::ExplicitNoCa;
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
@@ -346,16 +430,29 @@ async fn reconcile(
         return Ok(Action::await_change());
     }
     let name = csr.name_any();
+    // This signer approves only requests of a node's requesters, so an
+    // approved request it has not signed yet was approved by a person
+    // (who holds `approve` on this signer): it is signed for whoever asked,
+    // while the node takes certificates.
+    let approved = has(&csr, "Approved");
     let verdict = match read(&csr.spec) {
         Ok(request) => {
             let edge_node = context.edge_nodes.get_opt(&request.node).await?;
-            admit(&request.node, edge_node.as_ref()).map(|()| request)
+            match approved {
+                true => admit(&request.node, edge_node.as_ref()),
+                false => admit_request(
+                    &request.node,
+                    edge_node.as_ref(),
+                    csr.spec.username.as_deref(),
+                ),
+            }
+            .map(|()| request)
         }
         Err(denial) => Err(denial),
     };
     let params = PatchParams::apply(FIELD_MANAGER);
     let request = match verdict {
-        Err(denial) if has(&csr, "Approved") => {
+        Err(denial) if approved => {
             // A person approved what this signer will not sign.
             tracing::warn!(csr = %name, reason = denial.reason, message = %denial.message, "an approved certificate request is not signed");
             set_condition(&context, &name, "Failed", &denial, false).await?;
@@ -370,12 +467,13 @@ async fn reconcile(
         }
         Ok(request) => request,
     };
-    if !has(&csr, "Approved") {
+    if !approved {
         let approval = Denial {
             reason: "EdgeNodeTakesCertificates",
             message: format!(
-                "EdgeNode {} has spec.agentCredentials: ClientCertificate",
-                request.node
+                "EdgeNode {} takes client certificates and names {:?} among its spec.certificateRequesters",
+                request.node,
+                csr.spec.username.as_deref().unwrap_or_default(),
             ),
         };
         set_condition(&context, &name, "Approved", &approval, true).await?;
@@ -437,6 +535,7 @@ async fn set_condition(
 mod tests {
     use super::*;
     use edgefleet_shared::api::EdgeNodeSpec;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
     /// A CSR spec for `cn` with `usages`, and its key.
     fn request(cn: &str, usages: &[&str], sans: &[&str]) -> CertificateSigningRequestSpec {
@@ -520,6 +619,81 @@ mod tests {
         );
         node.spec.agent_credentials = Some(AgentCredentials::ClientCertificate);
         assert_eq!(admit("site-7", Some(&node)), Ok(()));
+    }
+
+    #[test]
+    fn only_a_requester_the_edge_node_names_gets_its_certificate() {
+        let mut node = EdgeNode::new("site-7", EdgeNodeSpec::default());
+        node.spec.agent_credentials = Some(AgentCredentials::ClientCertificate);
+        let gw = "system:serviceaccount:edge-hosts:gw-7";
+        // Nobody named: nobody gets one.
+        assert_eq!(
+            admit_request("site-7", Some(&node), Some(gw))
+                .unwrap_err()
+                .reason,
+            "RequesterNotAllowed"
+        );
+        node.spec.certificate_requesters = vec![gw.into()];
+        assert_eq!(admit_request("site-7", Some(&node), Some(gw)), Ok(()));
+        // Another node's kubelet, a request without a user.
+        for requester in [Some("system:node:site-8"), None] {
+            let denial = admit_request("site-7", Some(&node), requester).unwrap_err();
+            assert_eq!(denial.reason, "RequesterNotAllowed");
+            assert!(denial.message.contains(gw), "{}", denial.message);
+        }
+        // The node must still take certificates.
+        node.spec.agent_credentials = None;
+        assert_eq!(
+            admit_request("site-7", Some(&node), Some(gw))
+                .unwrap_err()
+                .reason,
+            "NotACertificateNode"
+        );
+    }
+
+    #[test]
+    fn a_certificate_serves_until_it_expires_or_its_edge_node_revokes_it() {
+        let ca_key = KeyPair::generate().unwrap();
+        let mut ca_params = CertificateParams::default();
+        ca_params.is_ca = IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let ca_cert = ca_params.self_signed(&ca_key).unwrap();
+        let ca = AgentCa {
+            issuer: Issuer::from_ca_cert_pem(&ca_cert.pem(), ca_key).unwrap(),
+            certificate_pem: ca_cert.pem(),
+        };
+        let spec = request("edgefleet:agent:site-7", &["client auth"], &[]);
+        let pem = ca
+            .issue(&read(&spec).unwrap(), Duration::from_secs(3600))
+            .unwrap();
+        use rustls::pki_types::pem::PemObject;
+        let der = rustls::pki_types::CertificateDer::from_pem_slice(pem.as_bytes()).unwrap();
+        let presented = presented(&der).unwrap();
+        assert_eq!(presented.node, "site-7");
+        let now = SystemTime::now();
+        let issued_ago = now.duration_since(presented.issued_at).unwrap();
+        assert!(issued_ago < Duration::from_secs(2), "{issued_ago:?}");
+
+        let mut node = EdgeNode::new("site-7", EdgeNodeSpec::default());
+        node.spec.agent_credentials = Some(AgentCredentials::ClientCertificate);
+        assert_eq!(admit_certificate(&presented, Some(&node), now), Ok(()));
+        let reason = |node: &EdgeNode, at: SystemTime| {
+            admit_certificate(&presented, Some(node), at)
+                .map(|()| "admitted")
+                .unwrap_or_else(|d| d.reason)
+        };
+        // Expired: refused at stream open, whatever the connection's age.
+        assert_eq!(
+            reason(&node, now + Duration::from_secs(3601)),
+            "CertificateExpired"
+        );
+        // Revoked: every certificate issued before the time, not one after.
+        let time = |t: SystemTime| Time(k8s_openapi::jiff::Timestamp::try_from(t).unwrap());
+        node.spec.certificates_revoked_before = Some(time(now + Duration::from_secs(2)));
+        assert_eq!(reason(&node, now), "CertificateRevoked");
+        node.spec.certificates_revoked_before = Some(time(now - Duration::from_secs(2)));
+        assert_eq!(reason(&node, now), "admitted");
+        node.spec.agent_credentials = None;
+        assert_eq!(reason(&node, now), "NotACertificateNode");
     }
 
     #[test]

@@ -300,8 +300,8 @@ pub enum Proof {
     /// EdgeNode that takes certificates: checked at every connect and again
     /// while the session runs, which ends when the certificate expires.
     Certificate {
-        /// When the certificate stops being valid.
-        not_after: std::time::SystemTime,
+        /// The certificate: its node, when it was issued and expires.
+        certificate: crate::agent_certs::Presented,
         /// Where its EdgeNode is read again.
         edge_nodes: Box<kube::Api<edgefleet_shared::api::EdgeNode>>,
     },

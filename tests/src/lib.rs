@@ -223,6 +223,7 @@ pub fn agent_sync_settings(cloud: String, node: &str) -> edgefleet_agent::sync::
         boot_id: format!("boot-{node}"),
         heartbeat: Default::default(),
         silent_cloud: Default::default(),
+        refused_redirects: Default::default(),
         bytes: Default::default(),
         liveness: Default::default(),
     }
@@ -448,6 +449,19 @@ pub async fn client_from(kubeconfig: &Path) -> Client {
     let config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
         .await
         .expect("load kubeconfig");
+    Client::try_from(config).expect("build client")
+}
+
+/// A client of the test control plane acting as `user` in `groups` (the
+/// admin's impersonation), with only the rights RBAC and the Node
+/// authorizer give that user.
+pub async fn impersonating(user: &str, groups: &[&str]) -> Client {
+    let kubeconfig = Kubeconfig::read_from(control_plane().kubeconfig()).expect("read kubeconfig");
+    let mut config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+        .await
+        .expect("load kubeconfig");
+    config.auth_info.impersonate = Some(user.to_owned());
+    config.auth_info.impersonate_groups = Some(groups.iter().map(|g| (*g).to_owned()).collect());
     Client::try_from(config).expect("build client")
 }
 

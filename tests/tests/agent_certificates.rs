@@ -1,8 +1,11 @@
 //! Client certificates for agents that are not pods, through the real API
 //! server's CertificateSigningRequest API with the controller's signer
 //! (`edgefleet.io/agent`) answering: only an EdgeNode an operator created
-//! with `spec.agentCredentials: ClientCertificate` gets one; every other
-//! request is denied with its reason and counted, and gets no certificate.
+//! with `spec.agentCredentials: ClientCertificate` gets one, and only for a
+//! requester it names in `spec.certificateRequesters`; every other request
+//! (another node's kubelet included) is denied with its reason and counted,
+//! and gets no certificate. A certificate the EdgeNode revokes ends its
+//! session; the host gets a new one and is served again.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,13 +21,14 @@ use edgefleet_shared::api::{Device, DeviceSpec, EdgeNode, Transport};
 use edgefleet_shared::telemetry::Outcomes;
 use edgefleet_tests::agent_tokens::ACCOUNT;
 use edgefleet_tests::{
-    agent_sync_settings, certs, control_plane, eventually, in_process_controller, process,
-    test_namespace,
+    agent_sync_settings, certs, control_plane, eventually, impersonating, in_process_controller,
+    process, test_namespace,
 };
 use k8s_openapi::ByteString;
 use k8s_openapi::api::certificates::v1::{
     CertificateSigningRequest, CertificateSigningRequestSpec,
 };
+use k8s_openapi::api::rbac::v1::ClusterRoleBinding;
 use kube::api::{ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use rcgen::{
@@ -51,7 +55,29 @@ fn make_ca(dir: &std::path::Path) -> String {
     cert.pem()
 }
 
-/// Creates the CSR `name` for the subject `CN=cn` with `usages`.
+/// A host's bootstrap identity: a user who may create CSRs (the built-in
+/// `system:node-bootstrapper` role, as a bootstrap token has) and a client
+/// acting as it.
+async fn bootstrap_identity(admin: &Client, user: &str) -> Client {
+    let binding: ClusterRoleBinding = serde_json::from_value(json!({
+        "metadata": { "name": user.replace(':', "-") },
+        "roleRef": {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "ClusterRole",
+            "name": "system:node-bootstrapper",
+        },
+        "subjects": [{ "apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user }],
+    }))
+    .unwrap();
+    Api::<ClusterRoleBinding>::all(admin.clone())
+        .create(&PostParams::default(), &binding)
+        .await
+        .unwrap();
+    impersonating(user, &["system:authenticated"]).await
+}
+
+/// Creates the CSR `name` for the subject `CN=cn` with `usages`, as
+/// `client`'s user.
 async fn request(client: &Client, name: &str, cn: &str, usages: &[&str]) {
     let key = KeyPair::generate().unwrap();
     let mut params = CertificateParams::default();
@@ -120,9 +146,21 @@ async fn only_an_edge_node_an_operator_made_for_certificates_gets_a_client_certi
     let id = std::process::id();
     let host = format!("cert-host-{id}");
     let pod_node = format!("cert-pod-{id}");
+    let requester = format!("system:serviceaccount:edge-hosts:gw-{id}");
+    let host_client = bootstrap_identity(&client, &requester).await;
+    // Another edge node's kubelet: it may create CSRs (the Node authorizer
+    // lets it, to rotate its own certificate), and it was stolen.
+    let kubelet = impersonating(
+        &format!("system:node:{pod_node}"),
+        &["system:nodes", "system:authenticated"],
+    )
+    .await;
     let edge_nodes: Api<EdgeNode> = Api::all(client.clone());
     for (name, spec) in [
-        (&host, json!({ "agentCredentials": "ClientCertificate" })),
+        (
+            &host,
+            json!({ "agentCredentials": "ClientCertificate", "certificateRequesters": [requester] }),
+        ),
         (&pod_node, json!({})),
     ] {
         let node: EdgeNode = serde_json::from_value(json!({
@@ -141,32 +179,53 @@ async fn only_an_edge_node_an_operator_made_for_certificates_gets_a_client_certi
     let cn = |node: &str| format!("{}{node}", agent_certs::COMMON_NAME_PREFIX);
     let cases = [
         (
+            &host_client,
             format!("good-{id}"),
             cn(&host),
             vec!["client auth", "digital signature"],
         ),
-        (format!("pod-{id}"), cn(&pod_node), vec!["client auth"]),
         (
+            &kubelet,
+            format!("stolen-{id}"),
+            cn(&host),
+            vec!["client auth"],
+        ),
+        (
+            &client,
+            format!("admin-{id}"),
+            cn(&host),
+            vec!["client auth"],
+        ),
+        (
+            &host_client,
+            format!("pod-{id}"),
+            cn(&pod_node),
+            vec!["client auth"],
+        ),
+        (
+            &host_client,
             format!("missing-{id}"),
             cn(&format!("cert-none-{id}")),
             vec!["client auth"],
         ),
         (
+            &host_client,
             format!("server-{id}"),
             cn(&host),
             vec!["client auth", "server auth"],
         ),
         (
+            &host_client,
             format!("kubelet-{id}"),
             format!("system:node:{host}"),
             vec!["client auth"],
         ),
     ];
-    for (name, cn, usages) in &cases {
-        request(&client, name, cn, usages).await;
+    for (as_user, name, cn, usages) in &cases {
+        request(as_user, name, cn, usages).await;
     }
     let mut answers = Vec::new();
-    for (name, _, _) in &cases {
+    for (_, name, _, _) in &cases {
         answers.push(decided(&client, name).await);
     }
 
@@ -216,6 +275,8 @@ async fn only_an_edge_node_an_operator_made_for_certificates_gets_a_client_certi
 
     // Every other request: denied, with why, and no certificate.
     let expected = [
+        "RequesterNotAllowed",
+        "RequesterNotAllowed",
         "NotACertificateNode",
         "NoSuchEdgeNode",
         "UnsupportedUsages",
@@ -224,7 +285,15 @@ async fn only_an_edge_node_an_operator_made_for_certificates_gets_a_client_certi
     for ((type_, reason, certificate), want) in answers[1..].iter().zip(expected) {
         assert_eq!((type_.as_str(), reason.as_str()), ("Denied", want));
         assert!(certificate.is_none(), "{want}: a certificate was issued");
-        assert_eq!(outcomes.get(want), 1, "{want} counted");
+    }
+    for (want, times) in [
+        ("RequesterNotAllowed", 2),
+        ("NotACertificateNode", 1),
+        ("NoSuchEdgeNode", 1),
+        ("UnsupportedUsages", 1),
+        ("WrongSubject", 1),
+    ] {
+        assert_eq!(outcomes.get(want), times, "{want} counted");
     }
     assert_eq!(outcomes.get("issued"), 1);
     signer.abort();
@@ -275,12 +344,14 @@ async fn an_agent_with_a_signed_certificate_is_served_its_node_and_nothing_else(
     let authentications = |outcome: &str| controller.sync_metrics.authentications.get(outcome);
 
     let node = format!("cert-site-{}", std::process::id());
+    let requester = format!("system:serviceaccount:edge-hosts:{node}");
+    let host_client = bootstrap_identity(&client, &requester).await;
     let edge_nodes: Api<EdgeNode> = Api::all(client.clone());
     let registered: EdgeNode = serde_json::from_value(json!({
         "apiVersion": "edgefleet.io/v1alpha1",
         "kind": "EdgeNode",
         "metadata": { "name": node },
-        "spec": { "agentCredentials": "ClientCertificate" },
+        "spec": { "agentCredentials": "ClientCertificate", "certificateRequesters": [requester] },
     }))
     .unwrap();
     edge_nodes
@@ -288,18 +359,31 @@ async fn an_agent_with_a_signed_certificate_is_served_its_node_and_nothing_else(
         .await
         .unwrap();
 
-    // The host makes its key and request; an operator submits it.
+    // The host makes its key and request and submits it with its
+    // bootstrap identity.
     let host_dir = dir.path().join("host");
-    let made = std::process::Command::new(process::binary("edgefleet-agent-csr"))
-        .args(["--node", &node, "--expiration-seconds", "3600", "--dir"])
-        .arg(&host_dir)
-        .output()
-        .unwrap();
-    assert!(
-        made.status.success(),
-        "{}",
-        String::from_utf8_lossy(&made.stderr)
-    );
+    let certify = || async {
+        let made = std::process::Command::new(process::binary("edgefleet-agent-csr"))
+            .args(["--node", &node, "--expiration-seconds", "3600", "--dir"])
+            .arg(&host_dir)
+            .output()
+            .unwrap();
+        assert!(
+            made.status.success(),
+            "{}",
+            String::from_utf8_lossy(&made.stderr)
+        );
+        let csr: CertificateSigningRequest = serde_json::from_slice(&made.stdout).unwrap();
+        let name = csr.metadata.name.clone().unwrap();
+        Api::<CertificateSigningRequest>::all(host_client.clone())
+            .create(&PostParams::default(), &csr)
+            .await
+            .unwrap();
+        let (type_, _, certificate) = decided(&client, &name).await;
+        assert_eq!(type_, "Approved");
+        certificate.unwrap()
+    };
+    let certificate = certify().await;
     let key_mode = std::fs::metadata(host_dir.join("tls.key"))
         .unwrap()
         .permissions();
@@ -308,17 +392,9 @@ async fn an_agent_with_a_signed_certificate_is_served_its_node_and_nothing_else(
         0,
         "the key is its owner's alone"
     );
-    let csr: CertificateSigningRequest = serde_json::from_slice(&made.stdout).unwrap();
-    let name = csr.metadata.name.clone().unwrap();
-    Api::<CertificateSigningRequest>::all(client.clone())
-        .create(&PostParams::default(), &csr)
-        .await
-        .unwrap();
-    let (type_, _, certificate) = decided(&client, &name).await;
-    assert_eq!(type_, "Approved");
-    let certificate = certificate.unwrap();
-    let not_after = agent_certs::not_after(&pem_der(&certificate)).unwrap();
-    let lifetime = not_after
+    let presented = agent_certs::presented(&pem_der(&certificate)).unwrap();
+    let lifetime = presented
+        .not_after
         .duration_since(std::time::SystemTime::now())
         .unwrap();
     assert!(
@@ -378,9 +454,40 @@ async fn an_agent_with_a_signed_certificate_is_served_its_node_and_nothing_else(
     .await;
     other.abort();
 
+    // The operator revokes the certificates issued so far (the host's
+    // box was stolen, or its key copied): the running session ends, the
+    // agent's next connect is refused, and a new certificate the host asks
+    // for is served.
+    assert_eq!(authentications("revoked"), 0);
+    let cut = k8s_openapi::jiff::Timestamp::now();
+    edge_nodes
+        .patch(
+            &node,
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "spec": { "certificatesRevokedBefore": cut } })),
+        )
+        .await
+        .unwrap();
+    eventually("the revoked certificate's session ends", || async {
+        (authentications("revoked") >= 1).then_some(())
+    })
+    .await;
+    eventually("the revoked certificate is refused", || async {
+        (authentications("certificate_revoked") >= 1).then_some(())
+    })
+    .await;
+    // (The cut has a second's precision.)
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let served = authentications("certificate");
+    std::fs::write(host_dir.join("tls.crt"), certify().await).unwrap();
+    eventually("the host's new certificate is served", || async {
+        (authentications("certificate") > served).then_some(())
+    })
+    .await;
+
     // The operator takes certificates away from the node: the running
     // session ends, and the agent's next connect is refused.
-    assert_eq!(authentications("revoked"), 0);
+    let revoked = authentications("revoked");
     edge_nodes
         .patch(
             &node,
@@ -390,7 +497,7 @@ async fn an_agent_with_a_signed_certificate_is_served_its_node_and_nothing_else(
         .await
         .unwrap();
     eventually("the running certificate session ends", || async {
-        (authentications("revoked") >= 1).then_some(())
+        (authentications("revoked") > revoked).then_some(())
     })
     .await;
     eventually(
@@ -410,10 +517,13 @@ async fn an_agent_with_a_signed_certificate_is_served_its_node_and_nothing_else(
         )
         .await
         .unwrap();
-    let soon = std::time::SystemTime::now() + Duration::from_secs(1);
+    let expiring = agent_certs::Presented {
+        not_after: std::time::SystemTime::now() + Duration::from_secs(1),
+        ..presented
+    };
     let reason = tokio::time::timeout(
         Duration::from_secs(10),
-        agent_certs::withdrawn(&edge_nodes, &node, soon, Duration::from_secs(3600)),
+        agent_certs::withdrawn(&edge_nodes, &expiring, Duration::from_secs(3600)),
     )
     .await
     .expect("the session outlived its certificate");

@@ -407,7 +407,7 @@ impl SyncService {
             tracing::warn!(label, %message, "an agent's certificate was refused");
             Status::permission_denied(message)
         };
-        let Some(node) = crate::agent_certs::node_of(certificate) else {
+        let Some(presented) = crate::agent_certs::presented(certificate) else {
             return Err(refuse(
                 "certificate_without_node",
                 format!(
@@ -416,6 +416,7 @@ impl SyncService {
                 ),
             ));
         };
+        let node = presented.node.clone();
         let edge_nodes: kube::Api<edgefleet_shared::api::EdgeNode> =
             kube::Api::all(self.client.clone());
         let edge_node = edge_nodes.get_opt(&node).await.map_err(|error| {
@@ -423,22 +424,25 @@ impl SyncService {
             tracing::warn!(%error, "could not read the EdgeNode of an agent's certificate");
             Status::unavailable(format!("could not check EdgeNode {node}"))
         })?;
-        if let Err(denial) = crate::agent_certs::admit(&node, edge_node.as_ref()) {
-            return Err(refuse("certificate_not_allowed", denial.message));
+        // The handshake checked the validity period, but a connection
+        // outlives it: every stream is checked again.
+        if let Err(denial) = crate::agent_certs::admit_certificate(
+            &presented,
+            edge_node.as_ref(),
+            std::time::SystemTime::now(),
+        ) {
+            let label = match denial.reason {
+                "CertificateExpired" => "certificate_expired",
+                "CertificateRevoked" => "certificate_revoked",
+                _ => "certificate_not_allowed",
+            };
+            return Err(refuse(label, denial.message));
         }
-        // rustls checked the validity period; this cannot fail on a
-        // certificate it accepted.
-        let not_after = crate::agent_certs::not_after(certificate).ok_or_else(|| {
-            refuse(
-                "certificate_without_node",
-                "an unreadable validity period".into(),
-            )
-        })?;
         self.metrics.authentications.inc("certificate");
         Ok(Authenticated {
             node,
             proof: Proof::Certificate {
-                not_after,
+                certificate: presented,
                 edge_nodes: Box::new(edge_nodes),
             },
         })
@@ -668,13 +672,13 @@ impl Driver {
                     proof: Proof::Token { token, reviews },
                 }) => reviews.revoked(token, node, recheck).await.to_string(),
                 Some(Authenticated {
-                    node,
                     proof:
                         Proof::Certificate {
-                            not_after,
+                            certificate,
                             edge_nodes,
                         },
-                }) => crate::agent_certs::withdrawn(edge_nodes, node, *not_after, recheck).await,
+                    ..
+                }) => crate::agent_certs::withdrawn(edge_nodes, certificate, recheck).await,
             };
             metrics.authentications.inc("revoked");
             Err::<(), _>(Ended::Revoked(reason))

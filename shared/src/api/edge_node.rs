@@ -60,6 +60,20 @@ pub struct EdgeNodeSpec {
     /// Kubernetes node.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agent_credentials: Option<AgentCredentials>,
+    /// Who may ask for this node's client certificate: the Kubernetes user
+    /// names a CertificateSigningRequest's `spec.username` must be one of
+    /// (the host's bootstrap identity, e.g.
+    /// `system:serviceaccount:edge-hosts:gw-7` or `system:bootstrap:<id>`).
+    /// A request from anyone else is denied, whatever it names; with no
+    /// requester, nobody gets a certificate for this node.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub certificate_requesters: Vec<String>,
+    /// Revokes this node's client certificates issued before this time: the
+    /// sync server refuses them and the sessions on them end within a
+    /// minute. The host asks for a new one (as one of
+    /// `certificateRequesters`) and is served again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub certificates_revoked_before: Option<Time>,
 }
 
 /// The CertificateSigningRequest signer of agents' client certificates.
