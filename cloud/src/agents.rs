@@ -122,6 +122,20 @@ impl Agents {
         }
     }
 
+    /// Forgets when the agents of the nodes `of` picks were last here, for
+    /// those without a session now: this replica takes their shard back,
+    /// and what it saw before the shard left it says nothing of how long
+    /// they have been away since (another replica served them). Their
+    /// EdgeNodes say, as after a restart. The holdings stay (the Hello's
+    /// digest says whether they still match).
+    pub fn forget_absence(&self, of: impl Fn(&str) -> bool) {
+        for (node, agent) in self.lock().iter_mut() {
+            if agent.session.is_none() && of(node) {
+                agent.gone_since = None;
+            }
+        }
+    }
+
     /// What `node`'s agent held when this process last heard from it, if
     /// that was in store `store_id` and matches `digest`: what a Hello with
     /// that digest holds.
@@ -202,6 +216,25 @@ mod tests {
 
     fn digest(entries: &[(ResourceKey, ResourceVersion)]) -> HoldingsDigest {
         HoldingsDigest::of(entries.iter().map(|(k, v)| (k, v)))
+    }
+
+    #[test]
+    fn a_shard_taken_back_forgets_how_long_its_nodes_were_away_but_not_what_they_hold() {
+        let agents = Agents::default();
+        for (node, session) in [("edge-1", 1), ("edge-2", 2), ("edge-3", 3)] {
+            agents.connected(node, session, "s", held(&[entry("a", 1)]));
+        }
+        agents.disconnected("edge-1", 1);
+        agents.disconnected("edge-2", 2);
+        agents.forget_absence(|node| node != "edge-2");
+        // Taken back: no absence of its own; the EdgeNode says.
+        assert_eq!(agents.disconnected_since("edge-1"), None);
+        // Another shard's node keeps it; a connected one has none.
+        assert!(agents.disconnected_since("edge-2").is_some());
+        assert!(agents.is_connected("edge-3"));
+        // The holdings stay for the next Hello.
+        let remembered = agents.remembered("edge-1", "s", &digest(&[entry("a", 1)]));
+        assert_eq!(remembered, Some(held(&[entry("a", 1)])));
     }
 
     #[test]

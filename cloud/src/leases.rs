@@ -44,6 +44,26 @@ pub struct LeaseSettings {
     pub duration: Duration,
 }
 
+/// Whether `url` may be advertised to agents as this replica's sync URL:
+/// an absolute URL with a host, `https` when the sync link is TLS (an
+/// agent configured for TLS would refuse anything else, and must).
+pub fn check_advertise_url(url: &str, tls: bool) -> Result<(), String> {
+    let uri: http::Uri = url
+        .parse()
+        .map_err(|error| format!("--advertise-url {url:?} is not a URL: {error}"))?;
+    let scheme = uri.scheme_str().map(str::to_ascii_lowercase);
+    match (scheme.as_deref(), uri.host(), tls) {
+        (_, None, _) => Err(format!("--advertise-url {url:?} names no host")),
+        (Some("https"), Some(_), true) | (Some("http"), Some(_), false) => Ok(()),
+        (_, _, true) => Err(format!(
+            "--advertise-url {url:?} is not https, and the sync link is TLS: agents would be sent to plaintext (they refuse to go)"
+        )),
+        (_, _, false) => Err(format!(
+            "--advertise-url {url:?} is not http, and the sync link is plaintext (--insecure-plaintext)"
+        )),
+    }
+}
+
 impl LeaseSettings {
     fn shard_lease(&self, shard: u32) -> String {
         format!("{}-shard-{shard}", self.set)
@@ -204,12 +224,14 @@ pub async fn keep(
             metrics.operations.inc(&format!("{op}_{label}"));
             match (step, result) {
                 (Step::Renew(_) | Step::Acquire(_), Ok(())) => {
-                    let was = shards.holds(shard);
-                    shards.set(shard, Some(valid_until(sent, settings.duration)));
-                    if !was {
+                    if !shards.holds(shard) {
                         tracing::info!(shard, replica = %settings.replica, "took shard");
+                        // Before the first write may start: what this
+                        // replica remembers of the shard is from before
+                        // another one held it.
                         acquired(shard);
                     }
+                    shards.set(shard, Some(valid_until(sent, settings.duration)));
                 }
                 (Step::Renew(_), Err(kube::Error::Api(status))) if status.code == 409 => {
                     tracing::warn!(shard, "another replica took the shard");
@@ -486,6 +508,21 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_tls_replica_advertises_only_https() {
+        assert_eq!(check_advertise_url("https://10.0.0.7:7443", true), Ok(()));
+        assert_eq!(check_advertise_url("http://10.0.0.7:7443", false), Ok(()));
+        for (url, tls) in [
+            ("http://10.0.0.7:7443", true),
+            ("10.0.0.7:7443", true),
+            ("https://10.0.0.7:7443", false),
+            ("https:///", true),
+            ("not a url", true),
+        ] {
+            assert!(check_advertise_url(url, tls).is_err(), "{url} tls={tls}");
+        }
+    }
 
     /// A client of a server that is not there: a request that gets past
     /// the fence fails to connect.

@@ -184,6 +184,10 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             "the sync link needs a certificate: --tls-dir DIR (tls.crt and tls.key, as cert-manager writes them; `make certs` makes a lab one), or --insecure-plaintext for a local demo"
         );
     }
+    if let Some(url) = &args.advertise_url {
+        edgefleet_cloud::leases::check_advertise_url(url, args.tls_dir.is_some())
+            .map_err(anyhow::Error::msg)?;
+    }
     let agent_ca = args
         .agent_ca_dir
         .as_deref()

@@ -136,13 +136,19 @@ impl Controller {
         if let Some(replicas) = settings.replicas {
             let writer = status.clone();
             let count = shards.count();
+            let agents = Arc::clone(&agents);
             tasks.spawn(crate::leases::keep(
                 client.clone(),
                 replicas.leases,
                 Arc::clone(&shards),
                 settings.lease_metrics,
-                // Another replica may have written the shard's Devices.
-                move |shard| writer.forget_nodes(|node| shard_of(node, count) == shard),
+                move |shard| {
+                    let ours = |node: &str| shard_of(node, count) == shard;
+                    // Another replica may have written the shard's Devices,
+                    // and served its agents since this one last did.
+                    writer.forget_nodes(ours);
+                    agents.forget_absence(ours);
+                },
             ));
         }
 

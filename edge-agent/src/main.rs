@@ -365,6 +365,12 @@ async fn main() -> anyhow::Result<()> {
         "Sync sessions ended because the cloud was silent for 3 heartbeat intervals",
         silent_cloud.clone(),
     );
+    let refused_redirects = prometheus_client::metrics::counter::Counter::<u64>::default();
+    registry.register(
+        "sync_redirects_refused",
+        "Redirects to another controller replica not followed (not https with TLS configured, or not a URL)",
+        refused_redirects.clone(),
+    );
     let sync_bytes = edgefleet_agent::sync::MessageBytes::default();
     sync_bytes.register(&mut registry);
     let settings = SyncSettings {
@@ -376,6 +382,7 @@ async fn main() -> anyhow::Result<()> {
         boot_id: boot_id(),
         heartbeat: edgefleet_shared::heartbeat::Heartbeat::every(heartbeat),
         silent_cloud,
+        refused_redirects,
         bytes: sync_bytes,
         liveness: health.check(
             "sync",

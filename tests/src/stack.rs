@@ -110,10 +110,10 @@ impl Stack {
     /// Starts the controller (with `kubeconfig`) and the agents, and waits
     /// until each answers on its health endpoint.
     pub async fn start(spec: StackSpec, kubeconfig: &Path) -> anyhow::Result<Stack> {
-        Self::launch(spec, kubeconfig, None, 1).await
+        Self::launch(spec, kubeconfig, None, 0).await
     }
 
-    /// [`Stack::start`] with `replicas` controller replicas sharing the
+    /// [`Stack::start`] with `replicas` (1 or more) controller replicas sharing the
     /// fleet through [`SHARDS`] shard Leases (in the fleet's namespace,
     /// lasting [`LEASE_SECONDS`]), behind a round-robin forwarder the
     /// agents dial, as they would a Service. Returns once every shard is
@@ -133,7 +133,7 @@ impl Stack {
         kubeconfig: &Path,
         broker: Option<SocketAddr>,
     ) -> anyhow::Result<Stack> {
-        Self::launch(spec, kubeconfig, broker, 1).await
+        Self::launch(spec, kubeconfig, broker, 0).await
     }
 
     async fn launch(
@@ -174,8 +174,10 @@ impl Stack {
         }
         cloud_args.extend(spec.cloud_args.iter().cloned());
         let mut clouds = Vec::new();
+        // 0: one controller without shards; n: n replicas sharing them
+        // (1: a lone replica, which others may join).
         let (sync, service) = match replicas {
-            0 | 1 => {
+            0 => {
                 let process = start_cloud(&spec.dir, &cloud_args, kubeconfig, 0)?;
                 wait_http(cloud_metrics, "/readyz", "the cloud controller").await?;
                 clouds.push(Replica {

@@ -9,7 +9,13 @@
 //!   nothing stale: it drops what it had queued (counted as fenced), and no
 //!   Device's report ever goes back;
 //! - a replica added takes its share, and only the agents of the shards
-//!   that moved reconnect.
+//!   that moved reconnect;
+//! - a replica that takes a shard back does not believe the shard's nodes
+//!   have been away since it last served them: a rollout's Pending members
+//!   there are not skipped by the offline policy;
+//! - a shard Lease edited to send agents to an `http://` address does not
+//!   take a TLS agent there: no byte reaches that address, the redirect is
+//!   counted as refused, and the agent is served by the right replica.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -394,5 +400,232 @@ async fn an_added_replica_takes_its_share_and_only_the_moved_agents_reconnect() 
     fleet
         .wait_applied("a new spec applied after the move")
         .await;
+    fleet.check_nothing_lost_or_repeated().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_edited_to_redirect_agents_to_plaintext_gets_no_token_and_no_connection() {
+    let mut fleet = Fleet::start("replica-redirect", 2, 1, 2, 200).await;
+    let node = fleet.stack.agents[0].node.clone();
+    let shard = shard_of(&node, SHARDS);
+
+    // Whoever may update Leases sets the sync URL of the node's shard to a
+    // plaintext listener of theirs, which records what reaches it.
+    let trap = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let trap_url = format!("http://{}", trap.local_addr().unwrap());
+    let caught: Arc<Mutex<Vec<u8>>> = Arc::default();
+    let connections = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let listening = tokio::spawn({
+        let (caught, connections) = (Arc::clone(&caught), Arc::clone(&connections));
+        async move {
+            while let Ok((mut socket, _)) = trap.accept().await {
+                connections.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let caught = Arc::clone(&caught);
+                tokio::spawn(async move {
+                    let mut buf = [0u8; 4096];
+                    while let Ok(n @ 1..) =
+                        tokio::io::AsyncReadExt::read(&mut socket, &mut buf).await
+                    {
+                        caught.lock().unwrap().extend_from_slice(&buf[..n]);
+                    }
+                });
+            }
+        }
+    });
+    // The holder writes its own URL back only when it takes the shard
+    // again: keep the edit in place.
+    let editing = tokio::spawn({
+        let (leases, url) = (fleet.leases.clone(), trap_url.clone());
+        async move {
+            let name = format!("edgefleet-shard-{shard}");
+            let patch = serde_json::json!({
+                "metadata": { "annotations": { "edgefleet.io/sync-url": url } }
+            });
+            loop {
+                let edited = leases.get(&name).await.ok().is_some_and(|lease| {
+                    lease.annotations().get("edgefleet.io/sync-url") == Some(&url)
+                });
+                if !edited {
+                    let _ = leases
+                        .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                        .await;
+                }
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+        }
+    });
+    let refused = "edgefleet_agent_sync_redirects_refused_total";
+    // The agent restarts (its pod is updated, its node reboots) and
+    // reaches the replica that does not hold its shard through the
+    // Service, which sends it to the edited URL.
+    let mut restarts = 0;
+    while fleet.stack.agent_metric(0, refused).await < 1.0 {
+        restarts += 1;
+        assert!(
+            restarts <= 10,
+            "the agent never met the replica that sends it to the edited URL"
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        fleet
+            .stack
+            .kill_and_restart_agent(0, restarts)
+            .await
+            .unwrap();
+        let _ = tokio::time::timeout(
+            Duration::from_secs(5),
+            eventually("the agent refuses the redirect", || async {
+                (fleet.stack.agent_metric(0, refused).await >= 1.0).then_some(())
+            }),
+        )
+        .await;
+    }
+    editing.abort();
+    let seen = String::from_utf8_lossy(&caught.lock().unwrap()).into_owned();
+    assert!(
+        !seen.to_ascii_lowercase().contains("authorization"),
+        "the agent's token went to the plaintext address: {seen:?}"
+    );
+    assert_eq!(
+        connections.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "the agent connected to the plaintext address"
+    );
+    listening.abort();
+
+    // Left alone, the Lease names the holder again and the agent is served.
+    fleet.change_spec(0, 1).await;
+    fleet
+        .wait_applied("the node's new spec applied after the edits stopped")
+        .await;
+    fleet.check_nothing_lost_or_repeated().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_taking_a_shard_back_does_not_skip_its_nodes_as_long_gone() {
+    use edgefleet_shared::api::EdgeNode;
+    use edgefleet_shared::api::rollout::FleetRollout;
+    // Replica A alone holds every shard and serves every agent.
+    let mut fleet = Fleet::start("replica-retake", 1, SHARDS as usize, 12, 200).await;
+    let client = fleet.devices.clone().into_client();
+    let ns = fleet.devices.namespace().unwrap().to_owned();
+    // B joins: A gives it its share, and the sessions of those nodes end at A.
+    fleet.stack.add_replica().await.unwrap();
+    eventually_within(
+        Duration::from_secs(30),
+        "A and B hold 3 shards each",
+        || async {
+            let mut held = [0u32; 2];
+            for shard in 0..SHARDS {
+                held[fleet.holder_of_shard(shard).await?] += 1;
+            }
+            (held == [3, 3] && fleet.streams(&[0, 1]).await == SHARDS as f64).then_some(())
+        },
+    )
+    .await;
+    let mut target = None;
+    for agent in &fleet.stack.agents {
+        if fleet.holder_of(&agent.node).await == Some(1) {
+            target = Some(agent.node.clone());
+            break;
+        }
+    }
+    let target = target.expect("B serves a node");
+    let label = format!("retake-{}", std::process::id());
+    Api::<EdgeNode>::all(client.clone())
+        .patch(
+            &target,
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({
+                "metadata": { "labels": { "edgefleet.io/retake": label } }
+            })),
+        )
+        .await
+        .unwrap();
+    // Longer than the rollout waits for an unreachable node.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+
+    // A rollout of the target node's two devices: the canary bakes for
+    // ten minutes, the other device waits for it, Pending.
+    let rollouts: Api<FleetRollout> = Api::namespaced(client, &ns);
+    let rollout: FleetRollout = serde_json::from_value(serde_json::json!({
+        "apiVersion": "edgefleet.io/v1alpha1",
+        "kind": "FleetRollout",
+        "metadata": { "name": "retake", "namespace": ns },
+        "spec": {
+            "target": { "firmware": { "version": "2.0.0" } },
+            "selector": {},
+            "nodeSelector": { "matchLabels": { "edgefleet.io/retake": label } },
+            "strategy": { "canary": 1, "waves": ["100%"] },
+            "health": { "expression": "online", "bakeSeconds": 600 },
+            "offline": { "waitUpToSeconds": 5, "then": "Skip" },
+        },
+    }))
+    .unwrap();
+    rollouts
+        .create(&Default::default(), &rollout)
+        .await
+        .unwrap();
+    let counts = || async {
+        let status = rollouts.get("retake").await.ok()?.status?;
+        Some(status.counts)
+    };
+    eventually_within(
+        Duration::from_secs(30),
+        "the canary is under way and the other device waits",
+        || async {
+            let c = counts().await?;
+            (c.total == 2 && c.pending == 1 && c.updating + c.baking == 1).then_some(())
+        },
+    )
+    .await;
+
+    // Every status the rollout shows from now on.
+    let shown: Arc<Mutex<Vec<(u32, u32)>>> = Arc::default();
+    let watch = tokio::spawn({
+        let (rollouts, shown) = (rollouts.clone(), Arc::clone(&shown));
+        async move {
+            let events = watcher(rollouts, watcher::Config::default()).applied_objects();
+            futures::pin_mut!(events);
+            while let Some(Ok(rollout)) = events.next().await {
+                if let Some(status) = rollout.status {
+                    let c = status.counts;
+                    shown.lock().unwrap().push((c.pending, c.skipped));
+                }
+            }
+        }
+    });
+
+    // B dies: A takes its shards back while their agents come over.
+    fleet.stack.kill_replica(1);
+    eventually_within(
+        Duration::from_secs(30),
+        "A holds every shard and serves every agent",
+        || async {
+            for shard in 0..SHARDS {
+                if fleet.holder_of_shard(shard).await != Some(0) {
+                    return None;
+                }
+            }
+            (fleet.streams(&[0]).await == SHARDS as f64).then_some(())
+        },
+    )
+    .await;
+    // The rollout is stepped every 2 s: a few steps on A.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    watch.abort();
+    let shown = shown.lock().unwrap().clone();
+    assert!(!shown.is_empty(), "the watch saw the rollout");
+    assert!(
+        shown
+            .iter()
+            .all(|&(pending, skipped)| pending == 1 && skipped == 0),
+        "A skipped the target node's waiting device as if its node had been away since A last served it: {shown:?}"
+    );
+    let c = counts().await.unwrap();
+    assert_eq!((c.pending, c.skipped), (1, 0), "{c:?}");
+    rollouts
+        .delete("retake", &Default::default())
+        .await
+        .unwrap();
     fleet.check_nothing_lost_or_repeated().await;
 }

@@ -23,7 +23,10 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use crate::store::{Store, StoreError};
 
+mod redirect;
 pub mod session;
+
+use redirect::{Advice, Redirects, redirected};
 
 pub use session::{Session, Step};
 
@@ -62,6 +65,9 @@ pub struct SyncSettings {
     pub heartbeat: Heartbeat,
     /// Sessions ended because the cloud was silent.
     pub silent_cloud: Counter,
+    /// Redirects not followed (to plaintext with TLS configured, or not a
+    /// URL).
+    pub refused_redirects: Counter,
     /// Protobuf bytes of the messages sent and received, by message kind.
     pub bytes: MessageBytes,
     /// Told whenever the sync loop turns (between attempts, at every
@@ -205,6 +211,13 @@ pub enum SyncError {
         /// Why.
         reason: String,
     },
+    /// TLS is configured and the URL is not `https`: tonic would talk
+    /// plaintext to it.
+    #[error("{endpoint} is not https, and TLS is configured: not connecting in plaintext")]
+    Plaintext {
+        /// Where.
+        endpoint: String,
+    },
     /// The cloud refused or broke the stream.
     #[error("sync stream: {0}")]
     Stream(#[from] tonic::Status),
@@ -265,11 +278,8 @@ pub async fn run(settings: SyncSettings, store: Store) {
     };
     let mut delays = backoff();
     let mut redirect: Option<String> = None;
-    // Redirects followed in a row: a loop of stale ones backs off.
-    let mut followed = 0u32;
-    // A replica sent to that could not be reached: it may have died, and
-    // the others name it until its Leases run out.
-    let mut unreachable: Option<String> = None;
+    let mut redirects = Redirects::default();
+    let tls = settings.tls.is_some();
     loop {
         settings.liveness.alive();
         let mut opened = false;
@@ -286,90 +296,30 @@ pub async fn run(settings: SyncSettings, store: Store) {
         // After a session that got its stream open, start the backoff over.
         if opened {
             delays = backoff();
-            unreachable = None;
-        } else if target.is_some() {
-            unreachable = target;
         }
-        let advice = match ended.err().as_ref().map_or(Advice::Backoff, advice_of) {
-            // Sent again to the replica that could not be reached: its
-            // shards are about to move; ask again soon.
-            Advice::GoTo(url) if unreachable.as_ref() == Some(&url) => {
-                Advice::RetryAfter(Duration::from_secs(1))
-            }
-            advice => advice,
-        };
-        let delay = match advice {
-            Advice::GoTo(url) if followed < 3 => {
-                followed += 1;
+        let delay = match redirects.after(target, opened, ended.as_ref().err(), tls) {
+            Advice::GoTo(url) => {
                 tracing::info!(to = %url, "another controller replica serves this node: going there");
                 redirect = Some(url);
                 Duration::from_millis(20)
             }
             Advice::RetryAfter(after) => {
-                followed = 0;
                 tracing::info!(
                     ?after,
                     "this node's shard is moving between controller replicas: trying again soon"
                 );
                 after.mul_f64(1.0 + rand::random::<f64>() / 2.0)
             }
-            _ => {
-                followed = 0;
+            Advice::Refused { url, why } => {
+                settings.refused_redirects.inc();
+                tracing::warn!(to = %url, why, "a redirect to another controller replica was not followed");
                 delays.next().unwrap_or(Duration::from_secs(15))
             }
+            Advice::Backoff => delays.next().unwrap_or(Duration::from_secs(15)),
         };
         settings.liveness.alive();
         tokio::time::sleep(delay).await;
     }
-}
-
-/// What a refusal says to do next.
-#[derive(Debug, PartialEq, Eq)]
-enum Advice {
-    /// Connect to this replica.
-    GoTo(String),
-    /// Try the configured endpoint again after this long.
-    RetryAfter(Duration),
-    /// Nothing: back off.
-    Backoff,
-}
-
-/// What `error` advises, if it is a refusal that says.
-fn advice_of(error: &SyncError) -> Advice {
-    let SyncError::Stream(status) = error else {
-        return Advice::Backoff;
-    };
-    if status.code() != tonic::Code::Unavailable {
-        return Advice::Backoff;
-    }
-    let text = |key: &str| status.metadata().get(key)?.to_str().ok();
-    if let Some(url) = text(proto::REDIRECT_METADATA)
-        && tonic::transport::Endpoint::from_shared(url.to_owned()).is_ok()
-    {
-        return Advice::GoTo(url.to_owned());
-    }
-    match text(proto::RETRY_AFTER_METADATA).and_then(|ms| ms.parse::<u64>().ok()) {
-        // At most the backoff's own bound.
-        Some(ms) => Advice::RetryAfter(Duration::from_millis(ms.min(15_000))),
-        None => Advice::Backoff,
-    }
-}
-
-/// `settings` aimed at `url`, a replica's own address: its certificate is
-/// still checked against the name of the configured endpoint.
-fn redirected(settings: &SyncSettings, url: String) -> SyncSettings {
-    let mut here = settings.clone();
-    if let Some(tls) = &mut here.tls
-        && tls.server_name.is_none()
-    {
-        tls.server_name = settings
-            .cloud
-            .parse::<tonic::codegen::http::Uri>()
-            .ok()
-            .and_then(|uri| uri.host().map(|h| h.trim_matches(['[', ']']).to_owned()));
-    }
-    here.cloud = url;
-    here
 }
 
 /// One session: Hello, then updates in and the outbox out until the stream
@@ -410,6 +360,12 @@ fn endpoint(settings: &SyncSettings) -> Result<tonic::transport::Endpoint, SyncE
             }
         })?;
     let endpoint = match &settings.tls {
+        // tonic would connect in plaintext, TLS configuration or not.
+        Some(_) if endpoint.uri().scheme_str() != Some("https") => {
+            return Err(SyncError::Plaintext {
+                endpoint: settings.cloud.clone(),
+            });
+        }
         Some(tls) => {
             let config = tls.config().map_err(|source| SyncError::CaBundle {
                 path: tls.ca_file.clone(),
@@ -584,10 +540,10 @@ async fn send(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn settings(cloud: &str) -> SyncSettings {
+    pub(crate) fn settings(cloud: &str) -> SyncSettings {
         SyncSettings {
             cloud: cloud.into(),
             tls: Some(CloudTls {
@@ -601,58 +557,9 @@ mod tests {
             boot_id: "boot".into(),
             heartbeat: Heartbeat::default(),
             silent_cloud: Counter::default(),
+            refused_redirects: Counter::default(),
             bytes: MessageBytes::default(),
             liveness: Check::default(),
         }
-    }
-
-    fn refusal(code: tonic::Code, metadata: &[(&'static str, &str)]) -> SyncError {
-        let mut status = tonic::Status::new(code, "served elsewhere");
-        for (key, value) in metadata {
-            status.metadata_mut().insert(*key, value.parse().unwrap());
-        }
-        SyncError::Stream(status)
-    }
-
-    #[test]
-    fn only_an_unavailable_refusal_that_says_where_or_when_is_followed() {
-        let to = "https://10.0.0.7:7443";
-        let unavailable = tonic::Code::Unavailable;
-        let go = [(proto::REDIRECT_METADATA, to)];
-        assert_eq!(
-            advice_of(&refusal(unavailable, &go)),
-            Advice::GoTo(to.into())
-        );
-        assert_eq!(advice_of(&refusal(unavailable, &[])), Advice::Backoff);
-        let denied = tonic::Code::PermissionDenied;
-        assert_eq!(advice_of(&refusal(denied, &go)), Advice::Backoff);
-        let garbled = [(proto::REDIRECT_METADATA, "not a url")];
-        assert_eq!(advice_of(&refusal(unavailable, &garbled)), Advice::Backoff);
-        let soon = [(proto::RETRY_AFTER_METADATA, "1000")];
-        assert_eq!(
-            advice_of(&refusal(unavailable, &soon)),
-            Advice::RetryAfter(Duration::from_secs(1))
-        );
-        let late = [(proto::RETRY_AFTER_METADATA, "999999999")];
-        assert_eq!(
-            advice_of(&refusal(unavailable, &late)),
-            Advice::RetryAfter(Duration::from_secs(15))
-        );
-        assert_eq!(advice_of(&SyncError::Closed), Advice::Backoff);
-    }
-
-    #[test]
-    fn a_redirected_session_checks_the_certificate_against_the_configured_name() {
-        let base = settings("https://edgefleet-cloud.edgefleet-system.svc:7443");
-        let here = redirected(&base, "https://10.0.0.7:7443".into());
-        assert_eq!(here.cloud, "https://10.0.0.7:7443");
-        let name = here.tls.as_ref().and_then(|t| t.server_name.as_deref());
-        assert_eq!(name, Some("edgefleet-cloud.edgefleet-system.svc"));
-        // A name given explicitly stays.
-        let mut named = base.clone();
-        named.tls.as_mut().unwrap().server_name = Some("sync.example".into());
-        let here = redirected(&named, "https://10.0.0.7:7443".into());
-        let name = here.tls.as_ref().and_then(|t| t.server_name.as_deref());
-        assert_eq!(name, Some("sync.example"));
     }
 }
