@@ -3,6 +3,9 @@ SHELL := /bin/bash
 CARGO ?= cargo
 
 CERTS_DIR ?= .certs
+# Where cargo puts what it builds ($CARGO_TARGET_DIR when set, as .ci/run
+# sets it to a cache outside the clone).
+TARGET_DIR ?= $(or $(CARGO_TARGET_DIR),target)
 
 .PHONY: test lint fuzz crds certs controlplane image up bench bench-resync bench-ingest bench-rollout bench-rules bench-auth bench-scale
 
@@ -51,53 +54,53 @@ IMAGE_OUT ?= target/images/edgefleet-agent-$(AGENT_TAG).oci.tar
 image:
 	$(CARGO) build --locked --release -p edgefleet-agent --bin edgefleet-agent
 	bash deploy/image/build.sh $(IMAGE_OUT) $(AGENT_IMAGE) $(AGENT_TAG) 65532:65532 \
-		/usr/local/bin/edgefleet-agent target/release/edgefleet-agent=/usr/local/bin/edgefleet-agent
+		/usr/local/bin/edgefleet-agent $(TARGET_DIR)/release/edgefleet-agent=/usr/local/bin/edgefleet-agent
 
 ## The whole system on this machine with ~300 simulated devices and a live
 ## fleet view, until Ctrl-C (uses $KUBECONFIG's cluster when set).
 up: controlplane
 	$(CARGO) build --locked --bins
-	./target/debug/edgefleet-up
+	$(TARGET_DIR)/debug/edgefleet-up
 
 ## Measure propagation, report->status latency and the status write budget
 ## (1,000 devices on 3 agents, release build). Figures: docs/benchmarks.md.
 bench: controlplane
 	$(CARGO) build --locked --release --bins
-	./target/release/edgefleet-bench $(BENCH_ARGS)
+	$(TARGET_DIR)/release/edgefleet-bench $(BENCH_ARGS)
 
 ## Measure an edge site's resync after an outage: 1,000 devices on one agent
 ## cut off for 30 minutes of traffic (compressed), then reconnected.
 ## Figures: docs/benchmarks.md.
 bench-resync: controlplane
 	$(CARGO) build --locked --release --bins
-	./target/release/edgefleet-resync-bench $(BENCH_ARGS)
+	$(TARGET_DIR)/release/edgefleet-resync-bench $(BENCH_ARGS)
 
 ## Measure a firmware rollout: 1,000 devices over 10 sites, 10% per site at
 ## once, installs of 5-20 s (release build). Figures: docs/benchmarks.md.
 bench-rollout: controlplane
 	$(CARGO) build --locked --release --bins
-	./target/release/edgefleet-rollout-bench $(BENCH_ARGS)
+	$(TARGET_DIR)/release/edgefleet-rollout-bench $(BENCH_ARGS)
 
 ## Measure the agent's durable ingest: CoAP reports and MQTT events per
 ## second and their acknowledgement latency, with and without group commit
 ## and the power-cut syncs (release build). Figures: docs/benchmarks.md.
 bench-ingest:
 	$(CARGO) build --locked --release --bin edgefleet-ingest-bench
-	./target/release/edgefleet-ingest-bench $(BENCH_ARGS)
+	$(TARGET_DIR)/release/edgefleet-ingest-bench $(BENCH_ARGS)
 
 ## Measure EdgeRules: evaluations per CPU-second with 100 rules over 1,000
 ## devices and the memory they take, and report -> action at the device
 ## against the cloud round trip (release build). Figures: docs/benchmarks.md.
 bench-rules: controlplane
 	$(CARGO) build --locked --release --bins
-	./target/release/edgefleet-rules-bench $(BENCH_ARGS)
+	$(TARGET_DIR)/release/edgefleet-rules-bench $(BENCH_ARGS)
 
 ## Measure what TLS and node identity cost on the sync link: handshakes,
 ## a 1,000-agent reconnect storm, bulk delivery, each against plaintext in
 ## the same run (release build). Figures: docs/benchmarks.md.
 bench-auth: controlplane
 	$(CARGO) build --locked --release --bins
-	./target/release/edgefleet-auth-bench $(BENCH_ARGS)
+	$(TARGET_DIR)/release/edgefleet-auth-bench $(BENCH_ARGS)
 
 ## Measure the controller as the fleet grows: RSS per Device and per
 ## connected agent, a fleet-wide change's delivery, a restart's resync, at
@@ -105,4 +108,4 @@ bench-auth: controlplane
 ## Figures: docs/benchmarks.md.
 bench-scale: controlplane
 	$(CARGO) build --locked --release --bins
-	./target/release/edgefleet-scale-bench $(BENCH_ARGS)
+	$(TARGET_DIR)/release/edgefleet-scale-bench $(BENCH_ARGS)
